@@ -1,0 +1,337 @@
+"""The engine loop: schedule → forward → sample → commit, one iteration at a time.
+
+`Engine` owns the scheduler, the block manager, the model runner and the per-request
+detokenizers. It runs in one dedicated thread (`start()`); other threads talk to it only through
+`add_request` and `abort`, which are thread-safe, and hear back through each request's
+`on_output` callback (called on the engine thread; adapters must hand results over to their own
+thread, e.g. `loop.call_soon_threadsafe`).
+
+Charging (DESIGN.md, "Service unit"): the scheduler charges each prefill chunk when it is
+scheduled into the step that computes it; this loop charges each decode token when it is
+committed. A request that is aborted or fails keeps what it consumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import IncrementalDetokenizer, stop_string_holdback
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import FinishReason, SamplingParams, Sequence
+from worker.scheduling.cost import LinearCost
+from worker.scheduling.policy import make_policy
+
+log = logging.getLogger("fairshare.engine")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Token counts in tokens, memory in MiB.
+
+    policy: `vtc` or `fcfs`. alpha / beta / cached_rate: the service cost (see LinearCost).
+    max_num_batched_tokens: token budget per iteration = prefill chunk size. max_running: most
+    admitted sequences. block_size: tokens per KV block. num_kv_blocks: pool size (None: from
+    kv_cache_mb). max_model_len: context limit (None: the model's).
+    """
+
+    policy: str = "vtc"
+    alpha: float = 1.0
+    beta: float = 2.0
+    cached_rate: float = 0.0
+    max_num_batched_tokens: int = 512
+    max_running: int = 64
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_mb: float = 1024.0
+    max_model_len: int | None = None
+    device: str = "cpu"
+
+
+@dataclass
+class RequestOutput:
+    """What one request gained in one iteration (or its final message).
+
+    token_ids: tokens committed since the last output. text_delta: complete UTF-8 text since the
+    last output. finish_reason: set once, on the last output. queued_s / first_token_s: seconds
+    from arrival at the worker to first scheduling / first output token. error: set when the
+    engine failed the request (then finish_reason is ABORT).
+    """
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text_delta: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queued_s: float | None = None
+    first_token_s: float | None = None
+    error: str | None = None
+
+
+OutputCallback = Callable[[RequestOutput], None]
+
+
+class Engine:
+    """Continuous-batching engine over one model runner.
+
+    model: a `worker.models.LoadedModel` (tokenizer, eos ids, context length).
+    runner: object with `forward(items) -> logits[n, vocab]`, `block_size` and `num_kv_blocks`
+    (default: a `ModelRunner` built from `model` and `config`).
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, runner=None) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        if runner is None:
+            from worker.engine.model_runner import ModelRunner
+
+            num_blocks = self.config.num_kv_blocks
+            if num_blocks is None:
+                per_block = ModelRunner.kv_bytes_per_block(model, self.config.block_size, None)
+                num_blocks = max(1, int(self.config.kv_cache_mb * 2**20 // per_block))
+            runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=self.config.block_size,
+                                 device=self.config.device)
+        self.runner = runner
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size)
+        self.policy = make_policy(self.config.policy)
+        self.cost = LinearCost(self.config.alpha, self.config.beta, self.config.cached_rate)
+        self.scheduler = Scheduler(self.policy, self.cost, self.block_manager,
+                                   self.config.max_num_batched_tokens, self.config.max_running)
+        pool_tokens = runner.num_kv_blocks * runner.block_size
+        self.max_model_len = min(self.config.max_model_len or model.max_context_tokens, pool_tokens)
+        self.eos_token_ids = set(model.eos_token_ids)
+        self._callbacks: dict[str, OutputCallback] = {}
+        self._inbox: list[tuple[str, object]] = []
+        self._lock = threading.Lock()          # guards the inbox and callbacks
+        self._state_lock = threading.RLock()   # guards scheduler state (held except during forward)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.idle_kv_blocks_used = 0
+
+    # ---- thread-safe entry points -------------------------------------------------------------
+    def add_request(self, request_id: str, tenant_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    on_output: OutputCallback, weight: float = 1.0, tier: str = "interactive",
+                    cache_namespace: str = "") -> None:
+        """Queue a request. Raises ValueError when it can never run (empty or too long prompt,
+        bad sampling values, token ids outside the vocabulary, duplicate id)."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        if any(t < 0 or t >= vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens, including at least one output token")
+        if not weight > 0:
+            raise ValueError("tenant weight must be > 0")
+        sampling.validate()
+        room = self.max_model_len - len(prompt_token_ids)
+        max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
+        seq = Sequence(request_id=request_id, tenant_id=tenant_id, prompt_token_ids=list(prompt_token_ids),
+                       sampling=sampling, weight=weight, tier=tier, cache_namespace=cache_namespace,
+                       max_tokens=max_tokens)
+        with self._lock:
+            if request_id in self._callbacks:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._callbacks[request_id] = on_output
+            self._inbox.append(("add", seq))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request (idempotent). Returns whether it was still live. Its blocks are freed
+        at the start of the next iteration (at once when the loop is idle)."""
+        with self._lock:
+            live = request_id in self._callbacks
+            if live:
+                self._inbox.append(("abort", request_id))
+        self._wake.set()
+        return live
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the loop in a daemon thread."""
+        self._thread = threading.Thread(target=self._run, name="fairshare-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop thread; live requests are aborted."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._state_lock:
+            self._drain_inbox()
+            for seq in list(self.scheduler.by_id.values()):
+                self._finish(seq, FinishReason.ABORT)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                worked = self.step()
+            except Exception:  # a bug must not kill the loop silently: fail the batch, keep serving
+                log.exception("engine step failed")
+                worked = True
+            if not worked:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for kind, item in inbox:
+            if kind == "add":
+                self._prepare(item)
+                self.scheduler.add(item)
+            else:
+                seq = self.scheduler.by_id.get(item)
+                if seq is not None:
+                    self._finish(seq, FinishReason.ABORT)
+
+    def _prepare(self, seq: Sequence) -> None:
+        from worker.engine.sampler import make_generator
+
+        skip = self.eos_token_ids | set(seq.sampling.stop_token_ids)
+        seq.detokenizer = IncrementalDetokenizer(self.model.tokenizer, seq.prompt_token_ids, skip)
+        seq.generator = make_generator(seq.sampling.seed)
+
+    def step(self) -> bool:
+        """Run one iteration. Returns False when there was nothing to do."""
+        from worker.engine.model_runner import ForwardItem
+
+        with self._state_lock:
+            self._drain_inbox()
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                return False
+            items = []
+            for c in chunks:
+                start = c.seq.num_computed_tokens
+                items.append(ForwardItem(c.seq.all_token_ids[start:start + c.num_tokens], start,
+                                         list(c.seq.block_table)))
+        try:
+            logits = self.runner.forward(items)
+        except Exception as exc:
+            log.exception("model forward failed; failing %d requests", len(chunks))
+            with self._state_lock:
+                for c in chunks:
+                    self._finish(c.seq, FinishReason.ABORT, error=f"model forward failed: {exc}")
+            return True
+        with self._state_lock:
+            self._commit_step(chunks, logits)
+        return True
+
+    def _commit_step(self, chunks, logits) -> None:
+        from worker.engine.sampler import sample
+
+        rows, seqs = [], []
+        for i, c in enumerate(chunks):
+            c.seq.num_computed_tokens += c.num_tokens
+            if c.seq.num_computed_tokens == c.seq.num_tokens:
+                rows.append(i)
+                seqs.append(c.seq)
+        if seqs:
+            tokens = sample(logits[rows], [s.sampling for s in seqs], [s.generator for s in seqs])
+            now = time.monotonic()
+            for seq, tok in zip(seqs, tokens):
+                self._commit(seq, tok, now)
+
+    def _commit(self, seq: Sequence, token: int, now: float) -> None:
+        """Commit one sampled token: charge it, detokenize, check stop conditions, emit."""
+        seq.output_token_ids.append(token)
+        self.policy.charge(seq.tenant_id, self.cost.decode(1), output_tokens=1)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        reason = None
+        params = seq.sampling
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            reason = FinishReason.STOP
+        else:
+            seq.output_text += seq.detokenizer.add(token)
+            if params.stop:
+                reason = self._apply_stop_strings(seq)
+        if reason is None and (len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            if reason is FinishReason.LENGTH:
+                seq.output_text += seq.detokenizer.flush()
+                if params.stop:
+                    reason = self._apply_stop_strings(seq) or reason
+            self._finish(seq, reason)
+        else:
+            self._emit(seq, final=False)
+
+    def _apply_stop_strings(self, seq: Sequence) -> FinishReason | None:
+        """Cut `output_text` at the first stop string; return STOP when one was found."""
+        longest = max(len(s) for s in seq.sampling.stop)
+        start = max(0, seq.emitted_text_len - longest + 1)
+        hits = [i for i in (seq.output_text.find(s, start) for s in seq.sampling.stop) if i >= 0]
+        if not hits:
+            return None
+        seq.output_text = seq.output_text[:min(hits)]
+        return FinishReason.STOP
+
+    def _emit(self, seq: Sequence, final: bool, error: str | None = None) -> None:
+        holdback = 0 if final else stop_string_holdback(seq.output_text, seq.sampling.stop)
+        end = max(seq.emitted_text_len, len(seq.output_text) - holdback)
+        delta = seq.output_text[seq.emitted_text_len:end]
+        seq.emitted_text_len = end
+        new_tokens = seq.output_token_ids[seq.emitted_token_count:]
+        seq.emitted_token_count = len(seq.output_token_ids)
+        out = RequestOutput(
+            request_id=seq.request_id, token_ids=new_tokens, text_delta=delta,
+            finish_reason=seq.finish_reason if final else None,
+            prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
+            cached_tokens=seq.num_cached_tokens,
+            queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
+            first_token_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            error=error,
+        )
+        if final:
+            with self._lock:
+                callback = self._callbacks.pop(seq.request_id, None)
+        else:
+            callback = self._callbacks.get(seq.request_id)
+        if callback is not None:
+            try:
+                callback(out)
+            except Exception:
+                log.exception("output callback for %s failed", seq.request_id)
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        self._emit(seq, final=True, error=error)
+
+    # ---- introspection --------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Load figures for GetLoad / metrics (safe on any thread; may be one step stale)."""
+        with self._state_lock:
+            return self._snapshot()
+
+    def _snapshot(self) -> dict:
+        counts = self.scheduler.tenant_counts()
+        tenants = []
+        for tid, acct in sorted(self.policy.accounts.items()):
+            c = counts.get(tid, {"waiting": 0, "running": 0, "kv_blocks": 0})
+            tenants.append({
+                "tenant_id": tid, "weight": acct.weight, "tier": acct.tier,
+                "virtual_counter": acct.virtual_counter, "charged_service": acct.charged_service,
+                "prompt_tokens": acct.prompt_tokens, "output_tokens": acct.output_tokens,
+                "waiting": c["waiting"], "running": c["running"], "kv_blocks": c["kv_blocks"],
+                "finished": self.scheduler.finished_by_tenant.get(tid, 0),
+                "preemptions": self.scheduler.preemptions_by_tenant.get(tid, 0),
+            })
+        inflight = sum(len(s.prompt_token_ids) + s.max_tokens - len(s.output_token_ids)
+                       for s in list(self.scheduler.by_id.values()))
+        return {
+            "waiting": self.scheduler.num_waiting(), "running": len(self.scheduler.running),
+            "kv_blocks_used": self.block_manager.num_used, "kv_blocks_total": self.block_manager.num_blocks,
+            "kv_block_size": self.block_manager.block_size, "tenants": tenants, "policy": self.policy.name,
+            "iterations": self.scheduler.stats.iterations, "inflight_tokens": inflight,
+        }

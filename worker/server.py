@@ -1,0 +1,183 @@
+"""The worker's gRPC server (grpc.aio): `fairshare.v1.Worker` plus `grpc.health.v1`.
+
+Each `Generate` call registers its request with the engine and relays the engine's outputs
+(delivered on the engine thread) through an asyncio queue. When the client cancels the stream
+(gateway disconnect, deadline), the handler is cancelled and the request is aborted, which frees
+its KV blocks. SIGTERM drains: health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight
+ones may finish until the drain deadline, then the rest are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from worker.engine.engine import Engine, RequestOutput
+from worker.engine.sequence import FinishReason, SamplingParams
+
+log = logging.getLogger("fairshare.worker")
+
+SERVICE_NAME = "fairshare.v1.Worker"
+
+_TIER_NAMES = {
+    worker_pb2.TIER_UNSPECIFIED: "interactive",
+    worker_pb2.TIER_INTERACTIVE: "interactive",
+    worker_pb2.TIER_BATCH: "batch",
+    worker_pb2.TIER_BACKGROUND: "background",
+}
+TIER_ENUMS = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TIER_BATCH,
+              "background": worker_pb2.TIER_BACKGROUND}
+_FINISH = {FinishReason.STOP: worker_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
+           FinishReason.ABORT: worker_pb2.FINISH_REASON_ABORT}
+
+
+def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
+    """Map the wire SamplingParams to the engine's (max_tokens 0 → rest of the context)."""
+    return SamplingParams(
+        max_tokens=p.max_tokens or None,
+        temperature=p.temperature,
+        top_p=p.top_p if 0.0 < p.top_p <= 1.0 else 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
+    msg = worker_pb2.GenerateResponse(token_ids=out.token_ids, text_delta=out.text_delta)
+    if out.queued_s is not None:
+        msg.timings.queued_s = out.queued_s
+    if out.first_token_s is not None:
+        msg.timings.first_token_s = out.first_token_s
+    if out.finish_reason is not None:
+        msg.finish_reason = _FINISH[out.finish_reason]
+        msg.usage.prompt_tokens = out.prompt_tokens
+        msg.usage.completion_tokens = out.completion_tokens
+        msg.usage.cached_prompt_tokens = out.cached_tokens
+    return msg
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Implements the Worker service on top of an `Engine` (whose loop thread is started here)."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.draining = False
+        self.live: set[str] = set()
+        m = engine.model
+        digest = hashlib.sha256((m.tokenizer_json + "\0" + (m.chat_template or "")).encode()).hexdigest()
+        self._model_info = worker_pb2.ModelInfo(
+            model_name=model_name, max_context_tokens=engine.max_model_len, tokenizer_json=m.tokenizer_json,
+            chat_template=m.chat_template or "", eos_token_ids=sorted(m.eos_token_ids), tokenizer_sha256=digest,
+            bos_token=m.bos_token or "", eos_token=m.eos_token or "",
+        )
+
+    async def Generate(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        request_id = request.request_id or uuid.uuid4().hex
+        tenant = request.tenant
+        if not tenant.id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant.id is required")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def on_output(out: RequestOutput) -> None:  # engine thread
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        try:
+            self.engine.add_request(
+                request_id, tenant.id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
+                on_output, weight=tenant.weight or 1.0, tier=_TIER_NAMES.get(tenant.tier, "interactive"),
+                cache_namespace=tenant.cache_namespace + ("/" + request.cache_salt if request.cache_salt else ""),
+            )
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.live.add(request_id)
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if out.error:
+                    finished = True
+                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                yield _to_proto(out)
+                if out.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self.live.discard(request_id)
+            if not finished:  # cancelled by the client (or the server shutting down)
+                self.engine.abort(request_id)
+
+    async def Abort(self, request, context):
+        return worker_pb2.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context):
+        return self._model_info
+
+    async def GetLoad(self, request, context):
+        snap = self.engine.snapshot()
+        load = worker_pb2.Load(
+            waiting=snap["waiting"], running=snap["running"], kv_blocks_used=snap["kv_blocks_used"],
+            kv_blocks_total=snap["kv_blocks_total"], kv_block_size=snap["kv_block_size"], policy=snap["policy"],
+            iterations=snap["iterations"], draining=self.draining, inflight_tokens=snap["inflight_tokens"],
+        )
+        for t in snap["tenants"]:
+            load.tenants.add(
+                tenant_id=t["tenant_id"], weight=t["weight"], tier=TIER_ENUMS.get(t["tier"], 0),
+                virtual_counter=t["virtual_counter"], charged_service=t["charged_service"],
+                prompt_tokens=t["prompt_tokens"], output_tokens=t["output_tokens"], waiting=t["waiting"],
+                running=t["running"], kv_blocks=t["kv_blocks"], finished=t["finished"],
+                preemptions=t["preemptions"],
+            )
+        return load
+
+
+async def serve(engine: Engine, model_name: str, host: str, port: int, drain_timeout_s: float = 30.0,
+                ready_message: bool = True) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (up to `drain_timeout_s` seconds) and stop.
+
+    Raises OSError when the port cannot be bound.
+    """
+    import signal
+
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
+                                      ("grpc.max_receive_message_length", 64 * 2**20)])
+    servicer = WorkerServicer(engine, model_name)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot bind {host}:{port}")
+    engine.start()
+    await server.start()
+    for svc in ("", SERVICE_NAME):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    if ready_message:
+        print(f"fairshare worker ready on {host}:{bound} (model {model_name}, policy {engine.policy.name}, "
+              f"{engine.block_manager.num_blocks} KV blocks of {engine.block_manager.block_size} tokens)", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    servicer.draining = True
+    for svc in ("", SERVICE_NAME):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = loop.time() + drain_timeout_s
+    while servicer.live and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    engine.shutdown()
+    await server.stop(grace=2.0)
