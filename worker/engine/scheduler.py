@@ -6,8 +6,9 @@ default 512). Running sequences in decode take one token each first; the rest of
 prefill chunks, handed out tenant by tenant in the order the fairness policy gives (VTC: smallest
 virtual counter first), re-asking the policy after every chunk because the charge moves counters.
 
-A tenant whose head request does not fit in free KV blocks (or in the running-slot limit) is
-skipped for this iteration instead of blocking everyone. When decodes cannot get a block, the most
+A waiting request is admitted only when its whole remaining prefill fits in free KV blocks; a
+tenant whose head request does not fit (or meets the running-slot limit) is skipped for this
+iteration instead of blocking everyone. When decodes cannot get a block, the most
 recently admitted running sequence is preempted by recompute (its blocks freed, it re-enters the
 front of its tenant's queue, ahead of that tenant's newer work).
 
@@ -156,8 +157,12 @@ class Scheduler:
                 if seq.status is SequenceStatus.WAITING and len(self.running) >= self.max_running:
                     skipped.add(tenant)
                     continue
+                if seq.status is SequenceStatus.WAITING and not self.blocks.can_allocate(seq, seq.num_uncomputed):
+                    # Admit only what can finish its prefill; otherwise skip the tenant this iteration.
+                    skipped.add(tenant)
+                    continue
                 if not self.blocks.can_allocate(seq, n):
-                    # Fit a smaller chunk into what is free, else skip the tenant this iteration.
+                    # A running partial prefill takes a smaller chunk into what is free, or waits.
                     room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
                     n = min(n, room - seq.num_computed_tokens)
                     if n <= 0:
