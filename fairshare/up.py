@@ -58,10 +58,12 @@ GATEWAY_READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 TAIL_LINES = 40
 
-# The demo tenants written on first run. The YAML follows fairshare/config.py's tenants schema.
+# The demo tenants written on first run (schema: fairshare/config.py).
 DEMO_TENANTS: list[dict] = [
-    {"id": "acme", "weight": 1.0},
-    {"id": "globex", "weight": 3.0},
+    {"id": "acme", "weight": 1.0, "tier": "interactive",
+     "limits": {"rpm": 600, "tpm": 100000, "max_concurrent_requests": 32}},
+    {"id": "globex", "weight": 3.0, "tier": "interactive",
+     "limits": {"rpm": 600, "tpm": 100000, "max_concurrent_requests": 32}},
 ]
 
 
@@ -102,43 +104,37 @@ def ensure_secret(path: Path) -> None:
 
 def write_demo_tenants(path: Path) -> None:
     """Write the demo tenants file (acme weight 1, globex weight 3)."""
-    lines = [
-        "# FairShare tenants (written by `fairshare up` on first run; edit and restart to change).",
-        "# Schema: fairshare/config.py. API keys are not stored here; see tenants.keys.yaml (digests).",
-        "tenants:",
-    ]
-    for t in DEMO_TENANTS:
-        lines.append(f"  - id: {t['id']}")
-        lines.append(f"    weight: {t['weight']}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-
-
-def tenant_ids(tenants_file: Path) -> list[str]:
-    """Tenant ids in a tenants file (validated by the shared schema when it is importable)."""
     import yaml
 
-    data = yaml.safe_load(tenants_file.read_text()) or {}
-    tenants = data.get("tenants", []) if isinstance(data, dict) else []
-    ids = []
-    for t in tenants:
-        if isinstance(t, dict) and "id" in t:
-            ids.append(str(t["id"]))
-    return ids
+    header = (
+        "# FairShare tenants, written by `fairshare up` on its first run. Edit and restart to change.\n"
+        "# Schema: fairshare/config.py. Keys live in tenants.keys.yaml (HMAC digests only);\n"
+        "# a tenant added here gets a key (printed once) on the next `fairshare up`.\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump({"tenants": DEMO_TENANTS}, sort_keys=False))
+
+
+def load_tenant_ids(tenants_file: Path) -> list[str]:
+    """Tenant ids of a tenants file, validated with the shared schema (UpError when invalid)."""
+    from fairshare.config import load_tenants
+
+    try:
+        return [t.id for t in load_tenants(tenants_file).tenants]
+    except Exception as e:  # yaml or pydantic errors: one readable line
+        first = str(e).strip().splitlines()
+        raise UpError(f"invalid tenants file {tenants_file}: {' '.join(first[:3])}")
 
 
 def tenants_with_keys(tenants_file: Path, keys_file: Path) -> set[str]:
-    """Tenant ids that already have at least one (non-revoked) key in the keys file."""
-    import yaml
+    """Tenant ids that already have a key: in the keys file or inline digests in the tenants file."""
+    from fairshare.config import load_keys, load_tenants
 
-    if not keys_file.exists():
-        return set()
-    data = yaml.safe_load(keys_file.read_text()) or {}
-    entries = data.get("keys", []) if isinstance(data, dict) else data
-    found: set[str] = set()
-    for e in entries or []:
-        if isinstance(e, dict) and e.get("tenant") and not e.get("revoked"):
-            found.add(str(e["tenant"]))
+    try:
+        found = {k.tenant for k in load_keys(keys_file).keys}
+    except Exception as e:
+        raise UpError(f"invalid keys file {keys_file}: {str(e).strip().splitlines()[0]}")
+    found |= {t.id for t in load_tenants(tenants_file).tenants if t.api_key_digests}
     return found
 
 
@@ -339,6 +335,20 @@ def worker_ready(addr: str) -> bool:
         return False
 
 
+def worker_model_name(addr: str, default: str) -> str:
+    """The model name the worker reports (what clients pass as `model`)."""
+    import grpc
+
+    from fairshare.v1 import worker_pb2, worker_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(addr) as ch:
+            info = worker_pb2_grpc.WorkerStub(ch).GetModelInfo(worker_pb2.GetModelInfoRequest(), timeout=10)
+            return info.model_name or default
+    except Exception:
+        return default
+
+
 def gateway_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
@@ -384,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", type=Path, default=None,
                    help="tenants file, secret, Redis dir and logs (default: ./var in a checkout, "
                         "else ~/.local/state/fairshare; env FAIRSHARE_STATE_DIR)")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="most sequences the worker runs at once (default: the worker's own default)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the worker's and gateway's logs")
     return p
 
@@ -405,13 +417,15 @@ def check_ports(args) -> None:
                           f"or pass {flag[name]} N")
 
 
-def _print_banner(args, url: str, new_keys: dict[str, str], all_tenants: list[str], state: Path) -> None:
+def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tenants: list[str],
+                  state: Path) -> None:
     curl_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     curl_url = f"http://{curl_host}:{args.port}"
     out = []
     out.append("")
     out.append("=" * 72)
-    out.append(f" FairShare is up: {url}/v1   (OpenAI-compatible; model {args.model}, policy {args.policy})")
+    out.append(f" FairShare is up: {curl_url}/v1  (OpenAI-compatible API)")
+    out.append(f" model: {model}   policy: {args.policy}")
     out.append("=" * 72)
     if new_keys:
         out.append(" API keys (shown once; only their digests are stored, so copy them now):")
@@ -424,9 +438,9 @@ def _print_banner(args, url: str, new_keys: dict[str, str], all_tenants: list[st
     key_hint = next(iter(new_keys.values()), "$FAIRSHARE_KEY")
     out.append("")
     out.append(" Try it:")
-    out.append(f"   curl -s {curl_url}/v1/chat/completions -H 'Authorization: Bearer {key_hint}' \\")
+    out.append(f"   curl -s {curl_url}/v1/chat/completions -H \"Authorization: Bearer {key_hint}\" \\")
     out.append("     -H 'Content-Type: application/json' \\")
-    out.append("     -d '{\"model\": \"" + args.model + "\", \"messages\": [{\"role\": \"user\", "
+    out.append("     -d '{\"model\": \"" + model + "\", \"messages\": [{\"role\": \"user\", "
                "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 30}'")
     out.append("")
     out.append(f" state: {state}   logs: {state / 'logs'}")
@@ -438,7 +452,6 @@ def _print_banner(args, url: str, new_keys: dict[str, str], all_tenants: list[st
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     children: list[Child] = []
-    redis_proc: subprocess.Popen | None = None
 
     old_int = signal.signal(signal.SIGINT, SIGNALS.handler)
     old_term = signal.signal(signal.SIGTERM, SIGNALS.handler)
@@ -564,7 +577,7 @@ def _run(args, state: Path, children: list[Child]) -> int:
         print(f"fairshare up: first run: wrote demo tenants (acme weight 1, globex weight 3) to {tenants_file}")
 
     # keys for every tenant that has none yet (first run: the demo tenants)
-    all_tenants = tenant_ids(tenants_file)
+    all_tenants = load_tenant_ids(tenants_file)
     have = tenants_with_keys(tenants_file, keys_file)
     new_keys: dict[str, str] = {}
     for t in all_tenants:
@@ -584,9 +597,12 @@ def _run(args, state: Path, children: list[Child]) -> int:
     worker_addr = f"127.0.0.1:{args.worker_port}"
     print(f"fairshare up: starting worker on {worker_addr} (model {args.model}, policy {args.policy}; "
           "the first run converts the model once)", flush=True)
-    worker = spawn("worker", [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1",
-                              "--port", str(args.worker_port), "--model", args.model, "--policy", args.policy],
-                   logs / "worker.log", echo=True, children=children)
+    worker_cmd = [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1",
+                  "--port", str(args.worker_port), "--model", args.model, "--policy", args.policy,
+                  "--drain-timeout", "5"]
+    if args.max_running:
+        worker_cmd += ["--max-running", str(args.max_running)]
+    worker = spawn("worker", worker_cmd, logs / "worker.log", echo=True, children=children)
     _write_run_file(state, args, children)
     _wait_until(lambda: worker_ready(worker_addr), worker, WORKER_READY_TIMEOUT_S, "the worker", children)
     if not args.verbose:
@@ -605,7 +621,7 @@ def _run(args, state: Path, children: list[Child]) -> int:
     probe = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '', '::') else args.host}:{args.port}"
     _wait_until(lambda: gateway_ready(probe), gateway, GATEWAY_READY_TIMEOUT_S, "the gateway", children)
 
-    _print_banner(args, url, new_keys, all_tenants, state)
+    _print_banner(args, url, worker_model_name(worker_addr, args.model), new_keys, all_tenants, state)
 
     # watch
     while True:
