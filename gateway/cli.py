@@ -39,3 +39,134 @@ file that does not exist yet, ``keys create`` creates it (random 32 bytes, hex, 
 """
 
 from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _settings_from_args(args: argparse.Namespace):
+    from .config import GatewaySettings
+
+    overrides = {}
+    for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "secret_file", "tokenizer", "lease_ttl_s",
+                 "log_level"):
+        v = getattr(args, name, None)
+        if v is not None:
+            overrides[name] = v
+    if args.workers is not None:
+        overrides["workers"] = args.workers
+    return GatewaySettings(**overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Parser of `fairshare gateway` (flags documented in the module docstring)."""
+    p = argparse.ArgumentParser(prog="fairshare gateway", description="OpenAI-compatible FairShare gateway. "
+                                "Every flag can also be given as FAIRSHARE_<NAME> in the environment.")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--tenants", dest="tenants_file", help="tenants YAML file")
+    p.add_argument("--keys-file", dest="keys_file", help="API-key digests file (default <tenants stem>.keys.yaml)")
+    p.add_argument("--workers", help="gRPC workers, host:port[,host:port]")
+    p.add_argument("--redis-url", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")
+    p.add_argument("--secret-file", dest="secret_file", help="file holding the server secret "
+                   "(or set FAIRSHARE_SECRET)")
+    p.add_argument("--tokenizer", help="local directory with tokenizer.json and the chat template "
+                   "(default: taken from the workers)")
+    p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float, help="in-flight lease TTL in seconds (default 15)")
+    p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error (default info)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`fairshare gateway`: serve the app with uvicorn until interrupted; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = _settings_from_args(args)
+        logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        from .app import create_app
+
+        app = create_app(settings)
+    except Exception as e:  # configuration errors: one line, no traceback
+        print(f"fairshare gateway: {e}", file=sys.stderr)
+        return 2
+    if not settings.workers:
+        print("fairshare gateway: warning: no workers configured (--workers host:port)", file=sys.stderr)
+    import uvicorn
+
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                access_log=settings.log_level.lower() == "debug", timeout_graceful_shutdown=5)
+    return 0
+
+
+def build_keys_parser() -> argparse.ArgumentParser:
+    """Parser of `fairshare keys`."""
+    p = argparse.ArgumentParser(prog="fairshare keys", description="Manage tenant API keys (stored as HMAC-SHA256 "
+                                "digests under the server secret; the key itself is printed once).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name, help_text in (("create", "create a key for a tenant and print it once"),
+                            ("list", "list key ids and tenants"), ("revoke", "remove a key by id")):
+        s = sub.add_parser(name, help=help_text)
+        s.add_argument("--tenants", dest="tenants_file", help="tenants YAML file (or FAIRSHARE_TENANTS_FILE)")
+        s.add_argument("--keys-file", dest="keys_file", help="digests file (default <tenants stem>.keys.yaml)")
+        if name == "create":
+            s.add_argument("--tenant", required=True, help="tenant id")
+            s.add_argument("--secret-file", dest="secret_file", help="server secret file; created when missing "
+                           "(or set FAIRSHARE_SECRET)")
+        if name == "revoke":
+            s.add_argument("--key-id", dest="key_id", required=True)
+    return p
+
+
+def keys_main(argv: list[str] | None = None) -> int:
+    """`fairshare keys create|list|revoke`; returns the exit code."""
+    from fairshare.config import load_keys, load_tenants
+
+    from .auth import create_key, revoke_key
+    from .config import GatewaySettings, ensure_secret_file
+
+    args = build_keys_parser().parse_args(argv)
+    overrides = {k: v for k, v in (("tenants_file", args.tenants_file), ("keys_file", args.keys_file),
+                                   ("secret_file", getattr(args, "secret_file", None))) if v is not None}
+    settings = GatewaySettings(**overrides)
+    if settings.tenants_file is None:
+        print("fairshare keys: --tenants FILE is required (or FAIRSHARE_TENANTS_FILE)", file=sys.stderr)
+        return 2
+    keys_path = settings.resolved_keys_file()
+    try:
+        tenants = load_tenants(settings.tenants_file)
+    except Exception as e:
+        print(f"fairshare keys: cannot read {settings.tenants_file}: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "create":
+        if settings.secret is not None and settings.secret.get_secret_value():
+            secret = settings.secret_bytes()
+        elif settings.secret_file is not None:
+            secret = ensure_secret_file(settings.secret_file)
+        else:
+            print("fairshare keys: no server secret: pass --secret-file FILE or set FAIRSHARE_SECRET",
+                  file=sys.stderr)
+            return 2
+        try:
+            key, record = create_key(secret, args.tenant, keys_path, tenants)
+        except KeyError as e:
+            print(f"fairshare keys: {e.args[0]} (not in {settings.tenants_file})", file=sys.stderr)
+            return 2
+        print(key)
+        print(f"created {record.key_id} for tenant {record.tenant}; digest stored in {keys_path}", file=sys.stderr)
+        return 0
+    if args.cmd == "list":
+        for k in load_keys(keys_path).keys:
+            print(f"{k.key_id}\t{k.tenant}\t{k.created}")
+        return 0
+    if args.cmd == "revoke":
+        if revoke_key(keys_path, args.key_id):
+            print(f"revoked {args.key_id}", file=sys.stderr)
+            return 0
+        print(f"fairshare keys: no key {args.key_id} in {keys_path}", file=sys.stderr)
+        return 1
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+-- FairShare admission: one atomic call decides a request against four per-tenant limits.
+--
+-- KEYS (all hash-tagged with the tenant, e.g. fairshare:{acme}:rpm, so they share a cluster slot)
+--   1 RPM bucket (hash: t = tokens, ts = last update in ms)
+--   2 TPM bucket (hash: t, ts)
+--   3 leases zset  (member = lease id, score = expiry time in ms)
+--   4 leases hash  (field = lease id, value = tokens reserved in flight)
+-- ARGV
+--   1 mode: "admit" (check and, only if every limit allows, charge) or "peek" (report only)
+--   2 rpm limit (requests/min, -1 = unlimited)      3 tpm limit (tokens/min, -1 = unlimited)
+--   4 max in-flight tokens (-1 = unlimited)         5 max concurrent requests (-1 = unlimited)
+--   6 cost in tokens (prompt + max_tokens)          7 lease id            8 lease ttl (ms)
+-- Buckets hold at most `limit` and refill continuously at limit/60000 per ms; a missing bucket is
+-- full. Expired leases are dropped before counting. Time comes from Redis TIME (one clock for all
+-- gateways). A rejected request changes nothing but the removal of expired leases.
+--
+-- Returns integers:
+--   {admitted(0/1), reason, rpm_limit, rpm_remaining, rpm_reset_ms, tpm_limit, tpm_remaining,
+--    tpm_reset_ms, retry_after_ms, inflight_tokens, concurrent}
+--   reason: 0 ok, 1 requests/min, 2 tokens/min, 3 in-flight tokens, 4 concurrent requests,
+--           5 cost exceeds the TPM limit itself, 6 cost exceeds the in-flight limit itself
+local mode = ARGV[1]
+local rpm_limit = tonumber(ARGV[2])
+local tpm_limit = tonumber(ARGV[3])
+local inflight_limit = tonumber(ARGV[4])
+local conc_limit = tonumber(ARGV[5])
+local cost = tonumber(ARGV[6])
+local lease_id = ARGV[7]
+local ttl_ms = tonumber(ARGV[8])
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+
+local function fmt(x) return string.format('%.17g', x) end
+
+-- current content of a bucket (after refill); returns tokens, rate (per ms)
+local function level(key, limit)
+  local v = redis.call('HMGET', key, 't', 'ts')
+  local tokens = tonumber(v[1])
+  local ts = tonumber(v[2])
+  if tokens == nil or ts == nil then return limit, limit / 60000.0 end
+  local rate = limit / 60000.0
+  if now > ts then tokens = tokens + (now - ts) * rate end
+  if tokens > limit then tokens = limit end
+  return tokens, rate
+end
+
+local function store(key, limit, tokens, rate)
+  redis.call('HSET', key, 't', fmt(tokens), 'ts', fmt(now))
+  redis.call('PEXPIRE', key, math.ceil((limit - tokens) / rate) + 1000)
+end
+
+-- drop expired leases
+local zkey, hkey = KEYS[3], KEYS[4]
+local expired = redis.call('ZRANGEBYSCORE', zkey, '-inf', now)
+if #expired > 0 then
+  for i = 1, #expired, 1000 do
+    redis.call('HDEL', hkey, unpack(expired, i, math.min(i + 999, #expired)))
+  end
+  redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
+end
+local concurrent = redis.call('ZCARD', zkey)
+local inflight = 0
+for _, v in ipairs(redis.call('HVALS', hkey)) do inflight = inflight + tonumber(v) end
+
+local rpm_tokens, rpm_rate, tpm_tokens, tpm_rate = -1, 0, -1, 0
+if rpm_limit >= 0 then rpm_tokens, rpm_rate = level(KEYS[1], rpm_limit) end
+if tpm_limit >= 0 then tpm_tokens, tpm_rate = level(KEYS[2], tpm_limit) end
+
+local function reset_ms(limit, tokens, rate)
+  if limit < 0 then return 0 end
+  return math.ceil((limit - tokens) / rate)
+end
+
+local function result(admitted, reason, retry_ms, rpm_left, tpm_left, inflight_now, conc_now)
+  local rl, tl = -1, -1
+  if rpm_limit >= 0 then rl = math.floor(rpm_left) end
+  if tpm_limit >= 0 then tl = math.floor(tpm_left) end
+  return {admitted, reason, rpm_limit, rl, reset_ms(rpm_limit, rpm_left, rpm_rate),
+          tpm_limit, tl, reset_ms(tpm_limit, tpm_left, tpm_rate), math.ceil(retry_ms),
+          inflight_now, conc_now}
+end
+
+if mode ~= 'admit' then
+  return result(1, 0, 0, rpm_tokens, tpm_tokens, inflight, concurrent)
+end
+
+-- requests that can never be admitted, however long they wait
+if tpm_limit >= 0 and cost > tpm_limit then
+  return result(0, 5, 0, rpm_tokens, tpm_tokens, inflight, concurrent)
+end
+if inflight_limit >= 0 and cost > inflight_limit then
+  return result(0, 6, 0, rpm_tokens, tpm_tokens, inflight, concurrent)
+end
+
+local reason, retry = 0, 0
+-- earliest time a lease can end on its own (leases of live requests are renewed, so it is a bound
+-- for re-checking rather than a promise)
+local function lease_wait()
+  local first = redis.call('ZRANGE', zkey, 0, 0, 'WITHSCORES')
+  if #first < 2 then return 1000 end
+  return math.max(1, tonumber(first[2]) - now)
+end
+if conc_limit >= 0 and concurrent + 1 > conc_limit then
+  reason = 4; retry = math.max(retry, lease_wait())
+end
+if inflight_limit >= 0 and inflight + cost > inflight_limit then
+  reason = 3; retry = math.max(retry, lease_wait())
+end
+if tpm_limit >= 0 and tpm_tokens < cost then
+  reason = 2; retry = math.max(retry, (cost - tpm_tokens) / tpm_rate)
+end
+if rpm_limit >= 0 and rpm_tokens < 1 then
+  reason = 1; retry = math.max(retry, (1 - rpm_tokens) / rpm_rate)
+end
+if reason ~= 0 then
+  return result(0, reason, retry, rpm_tokens, tpm_tokens, inflight, concurrent)
+end
+
+-- admit: charge everything at once
+if rpm_limit >= 0 then
+  rpm_tokens = rpm_tokens - 1
+  store(KEYS[1], rpm_limit, rpm_tokens, rpm_rate)
+end
+if tpm_limit >= 0 then
+  tpm_tokens = tpm_tokens - cost
+  store(KEYS[2], tpm_limit, tpm_tokens, tpm_rate)
+end
+redis.call('ZADD', zkey, now + ttl_ms, lease_id)
+redis.call('HSET', hkey, lease_id, cost)
+for _, k in ipairs({zkey, hkey}) do
+  if redis.call('PTTL', k) < ttl_ms + 1000 then redis.call('PEXPIRE', k, math.ceil(ttl_ms) + 1000) end
+end
+return result(1, 0, 0, rpm_tokens, tpm_tokens, inflight + cost, concurrent + 1)

@@ -1,0 +1,294 @@
+"""Admission control in Redis: RPM and TPM token buckets plus an in-flight-token lease, one round trip.
+
+`Admission.admit` runs `admission.lua` (registered with ``register_script``) once per request: it
+checks the tenant's requests-per-minute bucket, tokens-per-minute bucket (reserving
+``prompt + max_tokens`` tokens), in-flight tokens and concurrent requests, and charges all of them or
+none. An admitted request holds a `Lease` (a member of the tenant's lease set with an expiry time,
+default 15 s) that `LeaseKeeper` renews while the request runs; a gateway that dies leaves leases that
+expire on their own. `Admission.settle` refunds ``reserved - used`` TPM tokens and releases the lease;
+it is idempotent (guarded here and in Redis by the presence of the lease).
+
+Keys are ``<prefix>:{<tenant>}:rpm|tpm|leases|lease_tokens``; the ``{tenant}`` hash tag keeps a
+tenant's keys in one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from fairshare.config import TenantConfig
+
+log = logging.getLogger("fairshare.gateway")
+
+_ADMIT_LUA = (Path(__file__).with_name("admission.lua")).read_text(encoding="utf-8")
+
+_SETTLE_LUA = """
+-- KEYS: 1 TPM bucket, 2 leases zset, 3 leases hash.  ARGV: 1 tpm limit (-1 = none), 2 lease id,
+-- 3 refund (tokens). Refunds only if the lease was still held, so a repeated call changes nothing.
+local limit, id, refund = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local had = redis.call('HDEL', KEYS[3], id)
+redis.call('ZREM', KEYS[2], id)
+if had == 1 and limit >= 0 and refund > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+  local v = redis.call('HMGET', KEYS[1], 't', 'ts')
+  local tokens, ts = tonumber(v[1]), tonumber(v[2])
+  local rate = limit / 60000.0
+  if tokens == nil or ts == nil then tokens = limit; ts = now end
+  if now > ts then tokens = tokens + (now - ts) * rate end
+  tokens = math.min(limit, tokens + refund)
+  redis.call('HSET', KEYS[1], 't', string.format('%.17g', tokens), 'ts', string.format('%.17g', now))
+  redis.call('PEXPIRE', KEYS[1], math.ceil((limit - tokens) / rate) + 1000)
+end
+return had
+"""
+
+_RENEW_LUA = """
+-- KEYS: 1 leases zset, 2 leases hash. ARGV: 1 ttl (ms), 2 lease id. Extends a lease that still
+-- exists (never re-creates a settled or expired one). Returns 1 when renewed.
+local ttl, id = tonumber(ARGV[1]), ARGV[2]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local score = redis.call('ZSCORE', KEYS[1], id)
+if not score or tonumber(score) <= now then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now + ttl, id)
+for _, k in ipairs(KEYS) do
+  if redis.call('PTTL', k) < ttl + 1000 then redis.call('PEXPIRE', k, math.ceil(ttl) + 1000) end
+end
+return 1
+"""
+
+REASONS = {0: "ok", 1: "requests", 2: "tokens", 3: "inflight_tokens", 4: "concurrent_requests",
+           5: "tokens_never_fit", 6: "inflight_never_fit"}
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as OpenAI writes it in ``x-ratelimit-reset-*``: ``12ms``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
+    if seconds <= 0:
+        return "0s"
+    if seconds < 1:
+        return f"{max(1, math.ceil(seconds * 1000))}ms"
+    ms_total = math.ceil(seconds * 1000)
+    h, rem = divmod(ms_total, 3_600_000)
+    m, rem = divmod(rem, 60_000)
+    s = rem / 1000
+    s_txt = (f"{s:.3f}".rstrip("0").rstrip(".")) + "s"
+    if h:
+        return f"{h}h{m}m{s_txt}"
+    if m:
+        return f"{m}m{s_txt}"
+    return s_txt
+
+
+@dataclass(frozen=True)
+class RateLimitState:
+    """Bucket state after a decision. Limits are per minute; ``None`` = unlimited. Resets in seconds."""
+
+    rpm_limit: int | None
+    rpm_remaining: int | None
+    rpm_reset_s: float
+    tpm_limit: int | None
+    tpm_remaining: int | None
+    tpm_reset_s: float
+
+    def headers(self) -> dict[str, str]:
+        """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the limits that exist."""
+        h: dict[str, str] = {}
+        if self.rpm_limit is not None:
+            h["x-ratelimit-limit-requests"] = str(self.rpm_limit)
+            h["x-ratelimit-remaining-requests"] = str(max(0, self.rpm_remaining or 0))
+            h["x-ratelimit-reset-requests"] = format_duration(self.rpm_reset_s)
+        if self.tpm_limit is not None:
+            h["x-ratelimit-limit-tokens"] = str(self.tpm_limit)
+            h["x-ratelimit-remaining-tokens"] = str(max(0, self.tpm_remaining or 0))
+            h["x-ratelimit-reset-tokens"] = format_duration(self.tpm_reset_s)
+        return h
+
+
+@dataclass(eq=False)
+class Lease:
+    """An admitted request's hold on its tenant's limits: `tokens` reserved (TPM and in flight)."""
+
+    tenant_id: str
+    lease_id: str
+    tokens: int
+    tpm_limit: int | None
+    settled: bool = False
+    refunded: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Outcome of `Admission.admit`.
+
+    ``reason`` is one of ``ok``, ``requests``, ``tokens``, ``inflight_tokens``, ``concurrent_requests``,
+    ``tokens_never_fit``, ``inflight_never_fit``; ``retry_after_s`` is the time (seconds) until the
+    limiting bucket holds enough (for leases: until the oldest lease expires unless renewed).
+    """
+
+    admitted: bool
+    reason: str
+    state: RateLimitState
+    retry_after_s: float
+    inflight_tokens: int
+    concurrent: int
+    lease: Lease | None = None
+
+
+def _lim(v: int | None) -> int:
+    return -1 if v is None else int(v)
+
+
+class Admission:
+    """Per-tenant admission in Redis (see module docstring). Raises redis exceptions when Redis fails."""
+
+    def __init__(self, redis: Redis, prefix: str = "fairshare", lease_ttl_s: float = 15.0) -> None:
+        self.redis = redis
+        self.prefix = prefix
+        self.lease_ttl_s = lease_ttl_s
+        self._admit = redis.register_script(_ADMIT_LUA)
+        self._settle = redis.register_script(_SETTLE_LUA)
+        self._renew = redis.register_script(_RENEW_LUA)
+
+    async def load(self) -> None:
+        """Load the scripts into Redis now, so that each later call is a single EVALSHA round trip."""
+        for script in (self._admit, self._settle, self._renew):
+            script.sha = await self.redis.script_load(script.script)
+
+    def keys(self, tenant_id: str) -> list[str]:
+        """Redis keys of a tenant: RPM bucket, TPM bucket, lease zset, lease hash (one hash slot)."""
+        base = f"{self.prefix}:{{{tenant_id}}}"
+        return [f"{base}:rpm", f"{base}:tpm", f"{base}:leases", f"{base}:lease_tokens"]
+
+    @staticmethod
+    def _decision(raw: list, tenant: TenantConfig, lease: Lease | None) -> Decision:
+        vals = [int(x) for x in raw]
+        admitted, reason, rl, rrem, rreset, tl, trem, treset, retry_ms, inflight, conc = vals
+        state = RateLimitState(
+            rpm_limit=None if rl < 0 else rl, rpm_remaining=None if rl < 0 else rrem, rpm_reset_s=rreset / 1000,
+            tpm_limit=None if tl < 0 else tl, tpm_remaining=None if tl < 0 else trem, tpm_reset_s=treset / 1000,
+        )
+        return Decision(bool(admitted), REASONS.get(reason, str(reason)), state, retry_ms / 1000, inflight, conc,
+                        lease if admitted else None)
+
+    def _args(self, mode: str, tenant: TenantConfig, cost: int, lease_id: str) -> list:
+        lim = tenant.limits
+        return [mode, _lim(lim.rpm), _lim(lim.tpm), _lim(lim.max_inflight_tokens), _lim(lim.max_concurrent_requests),
+                int(cost), lease_id, int(self.lease_ttl_s * 1000)]
+
+    async def admit(self, tenant: TenantConfig, cost: int, lease_id: str | None = None) -> Decision:
+        """Admit a request reserving `cost` tokens (prompt + max_tokens), all-or-nothing, one round trip.
+
+        On success the decision carries a `Lease` that must be settled with `settle`.
+        """
+        lease_id = lease_id or uuid.uuid4().hex
+        raw = await self._admit(keys=self.keys(tenant.id), args=self._args("admit", tenant, cost, lease_id))
+        lease = Lease(tenant.id, lease_id, int(cost), tenant.limits.tpm)
+        return self._decision(raw, tenant, lease)
+
+    async def peek(self, tenant: TenantConfig) -> Decision:
+        """Report the tenant's buckets and leases without charging anything."""
+        raw = await self._admit(keys=self.keys(tenant.id), args=self._args("peek", tenant, 0, "-"))
+        return self._decision(raw, tenant, None)
+
+    async def settle(self, lease: Lease, used_tokens: int) -> bool:
+        """Release `lease` and refund ``lease.tokens - used_tokens`` TPM tokens (never negative).
+
+        Idempotent: only the first call has an effect; returns True when this call released the lease.
+        """
+        if lease.settled:
+            return False
+        lease.settled = True
+        refund = max(0, lease.tokens - max(0, int(used_tokens)))
+        lease.refunded = refund
+        k = self.keys(lease.tenant_id)
+        had = await self._settle(keys=[k[1], k[2], k[3]], args=[_lim(lease.tpm_limit), lease.lease_id, refund])
+        return bool(had)
+
+    async def renew(self, leases: list[Lease]) -> int:
+        """Extend every live lease by the TTL in one pipelined round trip; returns how many were renewed."""
+        live = [le for le in leases if not le.settled]
+        if not live:
+            return 0
+        ttl_ms = int(self.lease_ttl_s * 1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for le in live:
+                k = self.keys(le.tenant_id)
+                await self._renew(keys=[k[2], k[3]], args=[ttl_ms, le.lease_id], client=pipe)
+            res = await pipe.execute()
+        return sum(int(r) for r in res)
+
+    async def leases(self, tenant_id: str) -> dict[str, int]:
+        """The tenant's unexpired leases: lease id -> tokens (for tests and operators)."""
+        k = self.keys(tenant_id)
+        t = await self.redis.time()
+        now_ms = t[0] * 1000 + t[1] / 1000
+        live = await self.redis.zrangebyscore(k[2], f"({now_ms}", "+inf")
+        if not live:
+            return {}
+        vals = await self.redis.hmget(k[3], live)
+        return {(m.decode() if isinstance(m, bytes) else m): int(float(v)) for m, v in zip(live, vals) if v is not None}
+
+    async def bucket(self, tenant_id: str, which: str) -> tuple[float, float] | None:
+        """Stored (tokens, timestamp ms) of the ``rpm`` or ``tpm`` bucket, or None when absent (= full)."""
+        key = self.keys(tenant_id)[0 if which == "rpm" else 1]
+        v = await self.redis.hmget(key, ["t", "ts"])
+        if v[0] is None:
+            return None
+        return float(v[0]), float(v[1])
+
+
+@dataclass
+class LeaseKeeper:
+    """Renews the leases of running requests every ``ttl/3`` seconds (one pipelined round trip)."""
+
+    admission: Admission
+    interval_s: float | None = None
+    _leases: set[Lease] = field(default_factory=set)
+    _task: asyncio.Task | None = None
+
+    def add(self, lease: Lease) -> None:
+        """Start renewing `lease`."""
+        self._leases.add(lease)
+
+    def discard(self, lease: Lease) -> None:
+        """Stop renewing `lease`."""
+        self._leases.discard(lease)
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    async def _run(self) -> None:
+        interval = self.interval_s or max(0.05, self.admission.lease_ttl_s / 3)
+        while True:
+            await asyncio.sleep(interval)
+            live = [le for le in self._leases if not le.settled]
+            self._leases.difference_update([le for le in self._leases if le.settled])
+            if not live:
+                continue
+            try:
+                await self.admission.renew(live)
+            except Exception:
+                log.exception("lease renewal failed")
+
+    def start(self) -> None:
+        """Start the renewal task on the running loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-keeper")
+
+    async def stop(self) -> None:
+        """Stop the renewal task."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None

@@ -1,0 +1,87 @@
+"""Gateway settings, read from environment variables ``FAIRSHARE_*`` (pydantic-settings) and flags.
+
+See `gateway.cli` for the flags; every field below is also ``FAIRSHARE_<FIELD>`` in the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from fairshare.config import default_keys_path
+
+
+class GatewaySettings(BaseSettings):
+    """Everything the gateway process needs to start.
+
+    Durations are in seconds. ``secret`` (or the contents of ``secret_file``) keys the API-key digests
+    and the per-tenant cache namespaces; it must be the same on every gateway replica.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="FAIRSHARE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    tenants_file: Path | None = None
+    keys_file: Path | None = None
+    workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    secret: SecretStr | None = None
+    secret_file: Path | None = None
+    tokenizer: Path | None = None
+    lease_ttl_s: float = Field(default=15.0, gt=0)
+    health_interval_s: float = Field(default=1.0, gt=0)
+    health_timeout_s: float = Field(default=1.0, gt=0)
+    max_n: int = Field(default=16, ge=1)
+    max_retries: int = Field(default=2, ge=0)
+    log_level: str = "info"
+    key_prefix: str = "fairshare"
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _split_workers(cls, v):
+        if isinstance(v, str):
+            return [w.strip() for w in v.split(",") if w.strip()]
+        return v
+
+    def resolved_keys_file(self) -> Path | None:
+        """The keys file: ``keys_file`` if set, else the default next to ``tenants_file``."""
+        if self.keys_file is not None:
+            return self.keys_file
+        if self.tenants_file is not None:
+            return default_keys_path(self.tenants_file)
+        return None
+
+    def secret_bytes(self) -> bytes:
+        """The server secret as bytes. Raises RuntimeError when neither secret nor secret_file is set."""
+        if self.secret is not None and self.secret.get_secret_value():
+            return self.secret.get_secret_value().encode()
+        if self.secret_file is not None:
+            data = Path(self.secret_file).read_text(encoding="utf-8").strip()
+            if not data:
+                raise RuntimeError(f"secret file {self.secret_file} is empty")
+            return data.encode()
+        raise RuntimeError("no server secret: set FAIRSHARE_SECRET or FAIRSHARE_SECRET_FILE (--secret-file)")
+
+
+def ensure_secret_file(path: str | os.PathLike) -> bytes:
+    """Return the secret stored in `path`, creating it (32 random bytes as hex, mode 0600) if absent."""
+    p = Path(path)
+    if not p.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process created it meanwhile
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+    data = p.read_text(encoding="utf-8").strip()
+    if not data:
+        raise RuntimeError(f"secret file {p} is empty")
+    return data.encode()
