@@ -142,6 +142,12 @@ class Decision:
     lease: Lease | None = None
 
 
+def tenant_keys(prefix: str, tenant_id: str) -> list[str]:
+    """``[rpm, tpm, leases, lease_tokens]`` keys of a tenant, hash-tagged ``{tenant_id}``."""
+    base = f"{prefix}:{{{tenant_id}}}"
+    return [f"{base}:rpm", f"{base}:tpm", f"{base}:leases", f"{base}:lease_tokens"]
+
+
 def _lim(v: int | None) -> int:
     return -1 if v is None else int(v)
 
@@ -164,8 +170,7 @@ class Admission:
 
     def keys(self, tenant_id: str) -> list[str]:
         """Redis keys of a tenant: RPM bucket, TPM bucket, lease zset, lease hash (one hash slot)."""
-        base = f"{self.prefix}:{{{tenant_id}}}"
-        return [f"{base}:rpm", f"{base}:tpm", f"{base}:leases", f"{base}:lease_tokens"]
+        return tenant_keys(self.prefix, tenant_id)
 
     @staticmethod
     def _decision(raw: list, tenant: TenantConfig, lease: Lease | None) -> Decision:

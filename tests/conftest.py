@@ -47,3 +47,108 @@ def worker_addr(tmp_path_factory):
         proc.wait(15)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+# -- gateway fixtures (gateway/ tests) ---------------------------------------------------------------
+
+GATEWAY_TEST_SECRET = "gateway-test-secret"
+
+
+class GatewayHandle:
+    """A gateway served by uvicorn in a background thread, with API keys for its tenants and sync
+    helpers to inspect its Redis state (leases, buckets)."""
+
+    def __init__(self, server, settings, keys: dict[str, str], redis_url: str):
+        import redis as redis_sync
+
+        from gateway.admission import tenant_keys
+
+        self.server = server
+        self.settings = settings
+        self.keys = keys
+        self.base_url = server.base_url
+        self.redis = redis_sync.Redis.from_url(redis_url)
+        self._keys_of = lambda tenant_id: tenant_keys(settings.key_prefix, tenant_id)
+
+    @property
+    def app(self):
+        return self.server.app
+
+    def client(self, tenant_id: str, **kw):
+        """Official `openai` client for a tenant's key (no automatic retries)."""
+        import openai
+
+        kw.setdefault("max_retries", 0)
+        kw.setdefault("timeout", 60.0)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.keys[tenant_id], **kw)
+
+    def redis_time_ms(self) -> float:
+        s, us = self.redis.time()
+        return s * 1000 + us / 1000
+
+    def leases(self, tenant_id: str) -> dict[str, int]:
+        """Unexpired in-flight leases of a tenant: lease id -> tokens."""
+        _, _, z, h = self._keys_of(tenant_id)
+        live = self.redis.zrangebyscore(z, f"({self.redis_time_ms()}", "+inf")
+        vals = self.redis.hmget(h, live) if live else []
+        return {m.decode(): int(float(v)) for m, v in zip(live, vals) if v is not None}
+
+    def bucket(self, tenant_id: str, which: str = "tpm") -> tuple[float, float] | None:
+        """Stored (tokens, timestamp ms) of a tenant's ``rpm``/``tpm`` bucket; None when absent (full)."""
+        key = self._keys_of(tenant_id)[0 if which == "rpm" else 1]
+        t, ts = self.redis.hmget(key, ["t", "ts"])
+        return None if t is None else (float(t), float(ts))
+
+    def seed_bucket(self, tenant_id: str, which: str, tokens: float) -> float:
+        """Set a bucket to `tokens` now (Redis time); returns that time in ms."""
+        key = self._keys_of(tenant_id)[0 if which == "rpm" else 1]
+        now = self.redis_time_ms()
+        self.redis.hset(key, mapping={"t": repr(float(tokens)), "ts": repr(now)})
+        self.redis.pexpire(key, 600_000)
+        return now
+
+
+@pytest.fixture(scope="session")
+def gateway_factory(redis_url, worker_addr, tmp_path_factory):
+    """`start(tenants, workers=None, **settings) -> GatewayHandle`: a gateway on a free port with the
+    given tenants (dicts in the tenants-file schema) and one API key per tenant; stopped at session end."""
+    import yaml
+
+    from gateway.app import create_app
+    from gateway.auth import create_key
+    from gateway.config import GatewaySettings
+    from gateway.serve import ServerThread
+
+    started = []
+
+    def start(tenants: list[dict], workers: list[str] | None = None, wait_ready_s: float = 60.0, **overrides):
+        d = tmp_path_factory.mktemp("gateway")
+        tf = d / "tenants.yaml"
+        tf.write_text(yaml.safe_dump({"tenants": tenants}))
+        keys = {t["id"]: create_key(GATEWAY_TEST_SECRET.encode(), t["id"], d / "tenants.keys.yaml")[0]
+                for t in tenants}
+        settings = GatewaySettings(tenants_file=tf, workers=[worker_addr] if workers is None else workers,
+                                   redis_url=redis_url, secret=GATEWAY_TEST_SECRET, **overrides)
+        server = ServerThread(create_app(settings)).start()
+        started.append(server)
+        handle = GatewayHandle(server, settings, keys, redis_url)
+        if wait_ready_s:
+            import time
+            import urllib.request
+
+            deadline = time.monotonic() + wait_ready_s
+            while True:
+                try:
+                    with urllib.request.urlopen(handle.base_url + "/readyz", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError("gateway not ready")
+                time.sleep(0.05)
+        return handle
+
+    yield start
+    for s in started:
+        s.stop()

@@ -1,0 +1,720 @@
+"""The FastAPI app: OpenAI-compatible endpoints over Redis admission and gRPC workers.
+
+Request path (``/v1/chat/completions`` and ``/v1/completions``):
+
+1. authenticate the API key -> tenant (401 otherwise);
+2. validate the body (400 ``invalid_request_error`` naming ``param``), resolve the model (404);
+3. render the chat template and tokenize; check the context (400 ``context_length_exceeded``);
+4. admit in one Redis call: RPM, TPM (reserving ``prompt + n * max_tokens``), in-flight tokens and
+   concurrent requests (429 with ``retry-after`` otherwise);
+5. start the generation(s) on the least-loaded worker, retrying on another worker until the first
+   token, and only then answer: a JSON body or an SSE stream, ``x-ratelimit-*`` headers on both;
+6. settle exactly once on success, error or client disconnect: cancel the gRPC streams (the worker
+   aborts), refund ``reserved - (prompt + completion actually used)`` TPM tokens, release the lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from fairshare.config import TenantConfig, Tier
+from fairshare.v1 import worker_pb2 as pb
+
+from . import schemas
+from .admission import Admission, Decision, Lease, LeaseKeeper
+from .auth import Principal, TenantDirectory
+from .config import GatewaySettings
+from .errors import APIError, from_validation_error, install_handlers, invalid_request, model_not_found, unavailable
+from .metrics import GatewayMetrics
+from .routing import Generation, ModelEntry, WorkerPool, start_generation
+from .sse import DONE, SSEResponse, event
+from .tokenization import TemplateError, load_tokenizer_dir
+
+log = logging.getLogger("fairshare.gateway")
+
+_TIERS = {Tier.INTERACTIVE: pb.TIER_INTERACTIVE, Tier.BATCH: pb.TIER_BATCH, Tier.BACKGROUND: pb.TIER_BACKGROUND}
+_BACKGROUND: set[asyncio.Task] = set()  # strong references to detached settlement tasks
+
+
+@dataclass
+class Gateway:
+    """Everything the request handlers share (one per app)."""
+
+    settings: GatewaySettings
+    directory: TenantDirectory
+    redis: Redis
+    admission: Admission
+    keeper: LeaseKeeper
+    pool: WorkerPool
+    metrics: GatewayMetrics
+    live: set["Session"] = field(default_factory=set)
+
+
+# -- one request's generation and settlement --------------------------------------------------------
+
+@dataclass
+class Job:
+    """One choice: a prompt (group) sampled once. Token counts in tokens."""
+
+    index: int
+    group: int
+    prompt_ids: list[int]
+    max_tokens: int
+    seed: int | None
+    gen: Generation | None = None
+    text: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    usage: pb.Usage | None = None
+
+
+class Session:
+    """An admitted request: its jobs, generations, lease and the settlement that ends it (once)."""
+
+    def __init__(self, gw: Gateway, principal: Principal, entry: ModelEntry, model: str, jobs: list[Job],
+                 lease: Lease, decision: Decision, rid: str, endpoint: str, t0: float) -> None:
+        self.gw = gw
+        self.principal = principal
+        self.entry = entry
+        self.model = model
+        self.jobs = jobs
+        self.lease = lease
+        self.decision = decision
+        self.rid = rid
+        self.endpoint = endpoint
+        self.t0 = t0
+        self.finished = False
+        self.client_gone = False
+        self._settle_task: asyncio.Task | None = None
+        self.first_token_at: float | None = None
+
+    @property
+    def tenant(self) -> TenantConfig:
+        return self.principal.tenant
+
+    def headers(self) -> dict[str, str]:
+        """Rate-limit headers from the admission decision, plus the request id."""
+        h = self.decision.state.headers()
+        h["x-request-id"] = self.rid
+        return h
+
+    def record(self, job: Job, msg: pb.GenerateResponse) -> str:
+        """Account one worker message to `job`; returns its text delta."""
+        if self.first_token_at is None and (msg.token_ids or msg.text_delta):
+            self.first_token_at = time.perf_counter()
+            self.gw.metrics.ttft.labels(self.tenant.id, self.model).observe(self.first_token_at - self.t0)
+        job.completion_tokens += len(msg.token_ids)
+        if msg.text_delta:
+            job.text.append(msg.text_delta)
+        if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            job.finish_reason = schemas.FINISH.get(msg.finish_reason, "stop")
+            if msg.HasField("usage"):
+                job.usage = msg.usage
+                job.completion_tokens = int(msg.usage.completion_tokens)
+        return msg.text_delta
+
+    def usage(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached) tokens: the workers' figures, counted once per prompt."""
+        prompt = cached = 0
+        seen: set[int] = set()
+        for j in self.jobs:
+            if j.group in seen or j.gen is None:
+                continue
+            seen.add(j.group)
+            src = next((k.usage for k in self.jobs if k.group == j.group and k.usage is not None), None)
+            if src is not None:
+                prompt += int(src.prompt_tokens)
+                cached += int(src.cached_prompt_tokens)
+            else:
+                prompt += len(j.prompt_ids)
+        completion = sum(j.completion_tokens for j in self.jobs)
+        return prompt, completion, cached
+
+    def usage_dict(self) -> dict[str, Any]:
+        p, c, k = self.usage()
+        return schemas.usage_dict(p, c, k)
+
+    def on_client_gone(self) -> None:
+        """The client disconnected: cancel every gRPC stream (the workers abort)."""
+        if self.finished or self.client_gone:
+            return
+        self.client_gone = True
+        self.gw.metrics.disconnects.labels(self.tenant.id).inc()
+        for j in self.jobs:
+            if j.gen is not None:
+                j.gen.cancel()
+
+    async def settle(self) -> None:
+        """Cancel what still runs, refund unused TPM and release the lease; idempotent, and completes
+        even when the caller is cancelled."""
+        if self._settle_task is None:
+            self._settle_task = asyncio.ensure_future(self._do_settle())
+            _BACKGROUND.add(self._settle_task)
+            self._settle_task.add_done_callback(_BACKGROUND.discard)
+        await asyncio.shield(self._settle_task)
+
+    async def _do_settle(self) -> None:
+        for j in self.jobs:
+            if j.gen is not None:
+                j.gen.close()
+        self.gw.keeper.discard(self.lease)
+        self.gw.live.discard(self)
+        p, c, k = self.usage()
+        used = p + c
+        m = self.gw.metrics
+        m.inflight.labels(self.tenant.id).dec()
+        m.tokens.labels(self.tenant.id, self.model, "prompt").inc(p)
+        m.tokens.labels(self.tenant.id, self.model, "completion").inc(c)
+        m.tokens.labels(self.tenant.id, self.model, "cached").inc(k)
+        try:
+            await self.gw.admission.settle(self.lease, used)
+        except (RedisError, OSError):
+            m.redis_errors.inc()
+            log.exception("settlement of %s failed; the lease expires in %.0f s", self.rid,
+                          self.gw.admission.lease_ttl_s)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
+                              "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
+                              None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.", None, "invalid_json")
+    return body
+
+
+def _context_error(ctx: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
+    where = "messages" if param == "messages" else "prompt"
+    if max_tokens is None or prompt_len >= ctx:
+        msg = (f"This model's maximum context length is {ctx} tokens. However, your {where} resulted in "
+               f"{prompt_len} tokens. Please reduce the length of the {where}.")
+    else:
+        msg = (f"This model's maximum context length is {ctx} tokens. However, you requested "
+               f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the completion). "
+               f"Please reduce the length of the {where} or completion.")
+    return invalid_request(msg, param, "context_length_exceeded")
+
+
+def _rate_limit_error(tenant: TenantConfig, model: str, d: Decision, cost: int) -> APIError:
+    retry_s = max(1, int(-(-d.retry_after_s // 1)))  # ceil, at least 1 s
+    retry_ms = max(1, int(round(d.retry_after_s * 1000)))
+    st = d.state
+    lim = tenant.limits
+    wait = _human(d.retry_after_s)
+    if d.reason == "requests":
+        typ = "requests"
+        msg = (f"Rate limit reached for {model} for tenant {tenant.id} on requests per min (RPM): Limit {st.rpm_limit}, "
+               f"Used {st.rpm_limit - max(0, st.rpm_remaining or 0)}, Requested 1. Please try again in {wait}.")
+    elif d.reason == "tokens":
+        typ = "tokens"
+        msg = (f"Rate limit reached for {model} for tenant {tenant.id} on tokens per min (TPM): Limit {st.tpm_limit}, "
+               f"Used {st.tpm_limit - max(0, st.tpm_remaining or 0)}, Requested {cost}. Please try again in {wait}.")
+    elif d.reason == "inflight_tokens":
+        typ = "tokens"
+        msg = (f"Rate limit reached for {model} for tenant {tenant.id} on in-flight tokens: Limit "
+               f"{lim.max_inflight_tokens}, In flight {d.inflight_tokens}, Requested {cost}. "
+               f"Please try again in {wait}.")
+    else:
+        typ = "requests"
+        msg = (f"Rate limit reached for {model} for tenant {tenant.id} on concurrent requests: Limit "
+               f"{lim.max_concurrent_requests}, Running {d.concurrent}. Please try again in {wait}.")
+    headers = st.headers()
+    headers["retry-after"] = str(retry_s)
+    headers["retry-after-ms"] = str(retry_ms)
+    return APIError(429, msg, typ, None, "rate_limit_exceeded", headers)
+
+
+def _human(seconds: float) -> str:
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    return f"{seconds:.3f}".rstrip("0").rstrip(".") + "s"
+
+
+def _too_large(tenant: TenantConfig, cost: int, param: str) -> APIError | None:
+    """A 400 when `cost` tokens exceed a limit's whole capacity (the request could never be admitted)."""
+    lim = tenant.limits
+    for name, cap in (("tokens per min (TPM)", lim.tpm), ("in-flight tokens", lim.max_inflight_tokens)):
+        if cap is not None and cost > cap:
+            return invalid_request(
+                f"Request too large for tenant {tenant.id} on {name}: Limit {cap}, Requested {cost}. "
+                f"The input or output tokens must be reduced in order to run successfully.", param, "request_too_large")
+    return None
+
+
+# -- the app ----------------------------------------------------------------------------------------
+
+def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None = None) -> FastAPI:
+    """Build the gateway app. Redis, the worker pool and lease renewal start in the app's lifespan.
+
+    Raises RuntimeError when no server secret is configured.
+    """
+    secret = settings.secret_bytes()
+    if directory is None:
+        directory = TenantDirectory(secret, settings.tenants_file, settings.resolved_keys_file())
+    metrics = GatewayMetrics()
+    local_tok = load_tokenizer_dir(settings.tokenizer) if settings.tokenizer else None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        redis = Redis.from_url(settings.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0,
+                               health_check_interval=30)
+        admission = Admission(redis, prefix=settings.key_prefix, lease_ttl_s=settings.lease_ttl_s)
+        try:
+            await admission.load()
+        except (RedisError, OSError) as e:
+            log.error("Redis at %s is not reachable yet (%s); admission will retry per request", settings.redis_url, e)
+        keeper = LeaseKeeper(admission)
+        keeper.start()
+        pool = WorkerPool(settings.workers, health_interval_s=settings.health_interval_s,
+                          health_timeout_s=settings.health_timeout_s, local_tokenizer=local_tok, metrics=metrics)
+        await pool.start(wait_s=0.0)
+        await pool.poll_once()
+        app.state.gw = Gateway(settings, directory, redis, admission, keeper, pool, metrics)
+        try:
+            yield
+        finally:
+            for s in list(app.state.gw.live):
+                s.on_client_gone()
+                await s.settle()
+            await pool.stop()
+            await keeper.stop()
+            await redis.aclose()
+
+    app = FastAPI(title="FairShare gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    install_handlers(app)
+
+    def gw_of(request: Request) -> Gateway:
+        return request.app.state.gw
+
+    async def headers_for(gw: Gateway, tenant: TenantConfig) -> dict[str, str]:
+        """Current rate-limit headers (a read-only Redis call); {} when Redis fails."""
+        try:
+            return (await gw.admission.peek(tenant)).state.headers()
+        except (RedisError, OSError):
+            gw.metrics.redis_errors.inc()
+            return {}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        gw = gw_of(request)
+        workers = [{"addr": w.addr, "healthy": w.healthy, "agrees": w.agrees, "model": w.model,
+                    "inflight_tokens": w.load_score(), "error": w.last_error or None} for w in gw.pool.workers]
+        try:
+            redis_ok = bool(await gw.redis.ping())
+        except (RedisError, OSError):
+            redis_ok = False
+        ready = redis_ok and gw.pool.ready()
+        body = {"ready": ready, "redis": redis_ok, "workers": workers, "models": gw.pool.model_names()}
+        if not ready:
+            err = unavailable("not ready: " + ("Redis unreachable" if not redis_ok else "no worker serving")).body()
+            body.update(err)
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def prom(request: Request) -> Response:
+        gw = gw_of(request)
+        return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        gw = gw_of(request)
+        principal = gw.directory.authenticate(request.headers.get("authorization"))
+        names = [n for n in gw.pool.model_names() if principal.tenant.may_use(n)]
+        return JSONResponse(schemas.model_list(names), headers=await headers_for(gw, principal.tenant))
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> JSONResponse:
+        gw = gw_of(request)
+        principal = gw.directory.authenticate(request.headers.get("authorization"))
+        h = await headers_for(gw, principal.tenant)
+        if not principal.tenant.may_use(model) or gw.pool.model(model) is None:
+            return model_not_found(model).response(h)
+        return JSONResponse(schemas.model_list([model])["data"][0], headers=h)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(gw_of(request), request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(gw_of(request), request, "text")
+
+    return app
+
+
+async def _serve(gw: Gateway, request: Request, kind: str):
+    """Handle one completion request end to end (see the module docstring)."""
+    t0 = time.perf_counter()
+    endpoint = "chat" if kind == "chat" else "completions"
+    principal = gw.directory.authenticate(request.headers.get("authorization"))
+    tenant = principal.tenant
+    m = gw.metrics
+    session: Session | None = None
+    try:
+        resp = await _admit_and_start(gw, request, kind, principal, t0)
+    except APIError as e:
+        if e.status != 429 and not any(k.startswith("x-ratelimit") for k in e.headers):
+            try:
+                e.headers = {**(await gw.admission.peek(tenant)).state.headers(), **e.headers}
+            except (RedisError, OSError):
+                m.redis_errors.inc()
+        m.requests.labels(tenant.id, endpoint, str(e.status)).inc()
+        raise
+    session, body_or_stream = resp
+    if isinstance(body_or_stream, dict):  # non-streamed: already settled
+        m.requests.labels(tenant.id, endpoint, "200").inc()
+        m.latency.labels(tenant.id, endpoint).observe(time.perf_counter() - t0)
+        return JSONResponse(body_or_stream, headers=session.headers())
+    m.requests.labels(tenant.id, endpoint, "200").inc()
+    return SSEResponse(body_or_stream, on_disconnect=session.on_client_gone, headers=session.headers())
+
+
+async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: Principal, t0: float):
+    """Validate, tokenize, admit and start. Returns (session, dict body | event iterator)."""
+    tenant = principal.tenant
+    body = await _json_body(request)
+    model_cls = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(list(e.errors())) from None
+    req.refuse_unsupported()
+    n = req.choices_n()
+    if n > gw.settings.max_n:
+        raise invalid_request(f"Invalid value for 'n': at most {gw.settings.max_n} choices per request.", "n",
+                              "invalid_value")
+    model = req.model
+    entry = gw.pool.model(model) if tenant.may_use(model) else None
+    if entry is None:
+        if tenant.may_use(model) and (model in gw.pool.models or not gw.pool.models):
+            raise unavailable(f"No worker is serving model `{model}` right now.")
+        raise model_not_found(model)
+
+    # tokenize
+    param = "messages" if kind == "chat" else "prompt"
+    tok = entry.tokenizer
+    try:
+        if kind == "chat":
+            prompts = [tok.encode_chat(req.template_messages())]
+        else:
+            prompts = []
+            vocab = tok.vocab_size()
+            for p in req.prompts():
+                if isinstance(p, str):
+                    prompts.append(tok.encode_text(p))
+                else:
+                    if any(t >= vocab for t in p):
+                        raise invalid_request(f"Invalid token id in 'prompt': ids must be < {vocab}.", "prompt",
+                                              "invalid_value")
+                    prompts.append(list(p))
+    except TemplateError as e:
+        raise invalid_request(f"Invalid 'messages': {e}", "messages", "invalid_value") from None
+    for p in prompts:
+        if not p:
+            raise invalid_request(f"Invalid '{param}': it encodes to zero tokens.", param, "invalid_value")
+
+    # output budget per choice
+    ctx = entry.max_context_tokens
+    requested = req.requested_max_tokens() if kind == "chat" else req.max_tokens
+    max_param = ("max_completion_tokens" if kind == "chat" and req.max_completion_tokens is not None
+                 else "max_tokens")
+    longest = max(len(p) for p in prompts)
+    prompt_total = sum(len(p) for p in prompts)
+    if requested is None:
+        if longest >= ctx:
+            raise _context_error(ctx, longest, None, param)
+        max_tokens = ctx - longest  # the rest of the context ...
+        lim = tenant.limits
+        caps = [c for c in (lim.tpm, lim.max_inflight_tokens) if c is not None]
+        if caps:  # ... but no more than the tenant could ever be admitted for
+            affordable = (min(caps) - prompt_total) // (n * len(prompts))
+            if affordable < 1:
+                raise _too_large(tenant, prompt_total + n * len(prompts), param) or _context_error(
+                    ctx, longest, None, param)
+            max_tokens = min(max_tokens, affordable)
+    else:
+        max_tokens = requested
+        if longest + max_tokens > ctx:
+            raise _context_error(ctx, longest, max_tokens, param)
+    cost = prompt_total + n * len(prompts) * max_tokens
+    too_large = _too_large(tenant, cost, max_param if requested is not None else param)
+    if too_large is not None:
+        raise too_large
+
+    # admission: one Redis round trip
+    rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    try:
+        decision = await gw.admission.admit(tenant, cost, lease_id=rid)
+    except (RedisError, OSError) as e:
+        gw.metrics.redis_errors.inc()
+        raise unavailable(f"The rate limiter is unavailable ({type(e).__name__}); please retry.") from None
+    if not decision.admitted:
+        gw.metrics.rejections.labels(tenant.id, decision.reason).inc()
+        if decision.reason in ("tokens_never_fit", "inflight_never_fit"):
+            err = _too_large(tenant, cost, param) or invalid_request("Request too large.", param, "request_too_large")
+            err.headers.update(decision.state.headers())
+            raise err
+        raise _rate_limit_error(tenant, model, decision, cost)
+    lease = decision.lease
+    assert lease is not None
+    gw.keeper.add(lease)
+    gw.metrics.inflight.labels(tenant.id).inc()
+
+    jobs: list[Job] = []
+    for g, p in enumerate(prompts):
+        for i in range(n):
+            seed = None if req.seed is None else req.seed + i
+            jobs.append(Job(index=g * n + i, group=g, prompt_ids=p, max_tokens=max_tokens, seed=seed))
+    session = Session(gw, principal, entry, model, jobs, lease, decision, rid, "chat" if kind == "chat" else "text", t0)
+    gw.live.add(session)
+
+    try:
+        await _start_all(gw, session, req)
+    except BaseException:
+        await session.settle()
+        raise
+    if req.stream:
+        stream = _chat_stream(session, req) if kind == "chat" else _text_stream(session, req)
+        return session, stream
+    try:
+        body = await _collect(session, request, kind)
+    finally:
+        await session.settle()
+    return session, body
+
+
+def _generate_request(session: Session, job: Job, req) -> pb.GenerateRequest:
+    t = session.tenant
+    sp = pb.SamplingParams(
+        max_tokens=job.max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=int(req.top_k or 0),
+        stop=req.stops(),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=bool(req.ignore_eos),
+    )
+    if job.seed is not None:
+        sp.seed = job.seed
+    rid = session.rid if len(session.jobs) == 1 else f"{session.rid}.{job.index}"
+    return pb.GenerateRequest(
+        request_id=rid,
+        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=_TIERS[t.tier], cache_namespace=session.principal.cache_namespace),
+        prompt_token_ids=job.prompt_ids, sampling=sp, cache_salt=req.cache_salt or "")
+
+
+async def _start_all(gw: Gateway, session: Session, req) -> None:
+    """Start every job's generation (each retried on other workers until its first token)."""
+    attempts = gw.settings.max_retries + 1
+
+    async def start(job: Job) -> None:
+        job.gen = await start_generation(gw.pool, session.model, _generate_request(session, job, req),
+                                         len(job.prompt_ids) + job.max_tokens, max_attempts=attempts,
+                                         metrics=gw.metrics)
+
+    if len(session.jobs) == 1:
+        await start(session.jobs[0])
+        return
+    tasks = [asyncio.ensure_future(start(j)) for j in session.jobs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _merged(session: Session) -> AsyncIterator[tuple[Job, pb.GenerateResponse]]:
+    """Messages of every job as they come. Raises the first stream error."""
+    jobs = session.jobs
+    if len(jobs) == 1:
+        job = jobs[0]
+        async for msg in job.gen.messages():
+            yield job, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            async for msg in job.gen.messages():
+                await queue.put((job, msg, None))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((job, None, e))
+            return
+        await queue.put((job, None, None))
+
+    tasks = [asyncio.ensure_future(pump(j)) for j in jobs]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            job, msg, err = await queue.get()
+            if err is not None:
+                raise err
+            if msg is None:
+                remaining -= 1
+                continue
+            yield job, msg
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def _stream_failure(session: Session, err: BaseException) -> APIError:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return unavailable(f"The worker failed during generation ({err.code().name}: {err.details()}).")
+    return unavailable(f"The worker failed during generation ({type(err).__name__}).")
+
+
+def _check_finished(session: Session) -> None:
+    for j in session.jobs:
+        if j.finish_reason is None:
+            raise unavailable("The worker ended the stream without finishing the request.")
+        if j.finish_reason == "abort":
+            raise unavailable("The worker aborted the request.")
+
+
+async def _collect(session: Session, request: Request, kind: str) -> dict[str, Any]:
+    """Run a non-streamed request to the end; cancel it when the client goes away."""
+
+    async def consume() -> None:
+        async for job, msg in _merged(session):
+            session.record(job, msg)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    work = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work not in done:
+            session.on_client_gone()
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise APIError(499, "Client closed the request.", "invalid_request_error", None, "client_closed_request")
+        err = work.exception()
+        if err is not None:
+            raise _stream_failure(session, err)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+    _check_finished(session)
+    session.finished = True
+    created = int(time.time())
+    choices = [("".join(j.text), j.finish_reason or "stop") for j in session.jobs]
+    build = schemas.chat_completion if kind == "chat" else schemas.text_completion
+    return build(session.rid, created, session.model, choices, session.usage_dict(), session.entry.fingerprint)
+
+
+def _chat_stream(session: Session, req: schemas.ChatCompletionRequest) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    fp = session.entry.fingerprint
+    with_usage = req.include_usage()
+
+    def chunk(index, delta=None, finish=None):
+        return event(schemas.chat_chunk(session.rid, created, session.model, fp, index, delta, finish, None,
+                                        with_usage))
+
+    def final(job: Job) -> bytes:
+        return chunk(job.index, {}, job.finish_reason)
+
+    async def body(job: Job, msg) -> list[bytes]:
+        out = []
+        text = session.record(job, msg)
+        if text:
+            out.append(chunk(job.index, {"content": text}))
+        if job.finish_reason is not None:
+            out.append(final(job))
+        return out
+
+    return _stream(session, [chunk(j.index, {"role": "assistant", "content": ""}) for j in session.jobs], body,
+                   lambda: event(schemas.chat_chunk(session.rid, created, session.model, fp, None,
+                                                    usage=session.usage_dict(), with_usage=True))
+                   if with_usage else None)
+
+
+def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    fp = session.entry.fingerprint
+    with_usage = req.include_usage()
+
+    def chunk(index, text="", finish=None):
+        return event(schemas.text_chunk(session.rid, created, session.model, fp, index, text, finish, None,
+                                        with_usage))
+
+    async def body(job: Job, msg) -> list[bytes]:
+        out = []
+        text = session.record(job, msg)
+        if text:
+            out.append(chunk(job.index, text))
+        if job.finish_reason is not None:
+            out.append(chunk(job.index, "", job.finish_reason))
+        return out
+
+    return _stream(session, [], body,
+                   lambda: event(schemas.text_chunk(session.rid, created, session.model, fp, None,
+                                                    usage=session.usage_dict(), with_usage=True))
+                   if with_usage else None)
+
+
+async def _stream(session: Session, opening: list[bytes], body, usage_event) -> AsyncIterator[bytes]:
+    """The SSE body: opening chunks, content chunks, (usage chunk), ``[DONE]``; settles in every case."""
+    try:
+        for b in opening:
+            yield b
+        try:
+            async for job, msg in _merged(session):
+                for b in await body(job, msg):
+                    yield b
+            _check_finished(session)
+        except APIError as e:
+            if not session.client_gone:
+                yield event(e.body())
+            return
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
+            if session.client_gone:
+                return
+            if isinstance(e, asyncio.CancelledError) and not any(
+                    j.gen is not None and j.gen.call.cancelled() for j in session.jobs):
+                raise  # we are being cancelled ourselves
+            yield event(_stream_failure(session, e).body())
+            return
+        session.finished = True
+        await session.settle()  # before [DONE]: a client that saw [DONE] sees its lease released
+        u = usage_event()
+        if u is not None:
+            yield u
+        yield DONE
+    finally:
+        await session.settle()
+        session.gw.metrics.latency.labels(session.tenant.id, session.endpoint).observe(
+            time.perf_counter() - session.t0)

@@ -1,0 +1,41 @@
+"""Prometheus metrics of one gateway app (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    """Counters and histograms exposed on ``/metrics``. Durations in seconds, sizes in tokens."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("fairshare_gateway_requests", "HTTP requests answered",
+                                ["tenant", "endpoint", "status"], registry=r)
+        self.rejections = Counter("fairshare_gateway_admission_rejections", "Requests refused by admission",
+                                  ["tenant", "reason"], registry=r)
+        self.tokens = Counter("fairshare_gateway_tokens", "Tokens used by finished requests",
+                              ["tenant", "model", "kind"], registry=r)
+        self.latency = Histogram("fairshare_gateway_request_seconds", "Request latency (to last byte)",
+                                 ["tenant", "endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("fairshare_gateway_ttft_seconds", "Time to the first token seen by the gateway",
+                              ["tenant", "model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inflight = Gauge("fairshare_gateway_inflight_requests", "Admitted requests not yet finished",
+                              ["tenant"], registry=r)
+        self.worker_up = Gauge("fairshare_gateway_worker_up", "1 when the worker is SERVING and agrees on the "
+                               "tokenizer", ["worker"], registry=r)
+        self.worker_retries = Counter("fairshare_gateway_worker_retries", "Generations retried on another worker "
+                                      "after failing before the first token", ["worker"], registry=r)
+        self.disconnects = Counter("fairshare_gateway_client_disconnects", "Clients that went away before the end",
+                                   ["tenant"], registry=r)
+        self.redis_errors = Counter("fairshare_gateway_redis_errors", "Redis calls that failed", registry=r)
+
+    def render(self) -> bytes:
+        """The text exposition format of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,362 @@
+"""Workers: health (``grpc.health.v1``), model info and tokenizer agreement, least-loaded routing, retries.
+
+- `WorkerClient`: one gRPC channel to one worker, its health, its `ModelInfo` and its load estimate.
+- `WorkerPool`: polls every worker (health every ``health_interval_s`` seconds, ``GetModelInfo`` once
+  per (re)connection, ``GetLoad`` for the worker's in-flight tokens), groups workers by model, checks
+  that every worker of a model reports the same tokenizer (sha256 of tokenizer json + chat template,
+  or the gateway's own ``--tokenizer``) and picks the worker with the fewest in-flight tokens.
+- `start_generation`: opens a ``Generate`` stream and reads until the first token; a worker that fails
+  before that is abandoned (its call cancelled) and the request retried on another worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from fairshare.v1 import worker_pb2 as pb
+from fairshare.v1 import worker_pb2_grpc as pb_grpc
+
+from .errors import APIError, invalid_request, unavailable
+from .tokenization import ChatTokenizer, TokenizerFiles
+
+log = logging.getLogger("fairshare.gateway")
+
+WORKER_SERVICE = "fairshare.v1.Worker"
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.enable_retries", 0),
+]
+# gRPC codes that mean "this request is wrong", not "this worker is broken": never retried
+_CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+
+
+@dataclass
+class ModelEntry:
+    """A model served by one or more workers, with the tokenizer the gateway uses for it."""
+
+    name: str
+    max_context_tokens: int
+    tokenizer: ChatTokenizer
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def fingerprint(self) -> str:
+        """``system_fingerprint`` reported to clients: ``fs_`` + the tokenizer hash prefix."""
+        return "fs_" + self.tokenizer.sha256[:12]
+
+
+@dataclass(eq=False)
+class WorkerClient:
+    """Connection and state of one worker (``host:port``). Token counts are prompt + max_tokens."""
+
+    addr: str
+    channel: grpc.aio.Channel | None = None
+    healthy: bool = False
+    agrees: bool = False
+    info: pb.ModelInfo | None = None
+    local_inflight: int = 0
+    remote_inflight: int = 0
+    local_at_poll: int = 0
+    last_error: str = ""
+    stub: pb_grpc.WorkerStub | None = field(default=None, repr=False)
+    health: health_pb2_grpc.HealthStub | None = field(default=None, repr=False)
+
+    def connect(self) -> None:
+        """Create the channel and stubs (lazy; no I/O)."""
+        if self.channel is None:
+            self.channel = grpc.aio.insecure_channel(self.addr, options=_CHANNEL_OPTIONS)
+            self.stub = pb_grpc.WorkerStub(self.channel)
+            self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    @property
+    def model(self) -> str | None:
+        """The model this worker serves, once known."""
+        return self.info.model_name if self.info else None
+
+    @property
+    def usable(self) -> bool:
+        """SERVING and agreeing with the gateway's tokenizer for its model."""
+        return self.healthy and self.agrees and self.info is not None
+
+    def load_score(self) -> int:
+        """In-flight tokens: the worker's own figure at the last poll, corrected by what this gateway
+        started or finished since (never below this gateway's own)."""
+        return max(self.local_inflight, self.remote_inflight - self.local_at_poll + self.local_inflight)
+
+    async def close(self) -> None:
+        """Close the channel."""
+        if self.channel is not None:
+            await self.channel.close()
+            self.channel = None
+
+
+class WorkerPool:
+    """All configured workers, the models they serve and the routing choice among them."""
+
+    def __init__(self, addrs: list[str], *, health_interval_s: float = 1.0, health_timeout_s: float = 1.0,
+                 local_tokenizers: dict[str, TokenizerFiles] | None = None,
+                 local_tokenizer: TokenizerFiles | None = None, metrics=None) -> None:
+        self.workers = [WorkerClient(a) for a in addrs]
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.models: dict[str, ModelEntry] = {}
+        self._local = local_tokenizer
+        self._local_tok: ChatTokenizer | None = ChatTokenizer(local_tokenizer) if local_tokenizer else None
+        self._rr = itertools.count()
+        self._task: asyncio.Task | None = None
+        self._metrics = metrics
+        self._first_round = asyncio.Event()
+
+    # -- polling ---------------------------------------------------------------------------------
+    async def _check(self, w: WorkerClient) -> None:
+        w.connect()
+        try:
+            resp = await w.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
+                                        timeout=self.health_timeout_s)
+            serving = resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as e:
+            serving = False
+            w.last_error = f"health: {e.code().name} {e.details()}"
+        if not serving:
+            if w.healthy:
+                log.warning("worker %s is not serving (%s)", w.addr, w.last_error or "NOT_SERVING")
+            w.healthy = False
+            w.info = None  # re-read model info after it comes back (it may have restarted)
+            w.agrees = False
+            self._gauge(w)
+            return
+        try:
+            if w.info is None:
+                info = await w.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=max(5.0, self.health_timeout_s))
+                await self._adopt(w, info)
+            load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=self.health_timeout_s)
+            w.remote_inflight = int(load.inflight_tokens)
+            w.local_at_poll = w.local_inflight
+            if load.draining:
+                serving = False
+        except grpc.aio.AioRpcError as e:
+            w.last_error = f"{e.code().name} {e.details()}"
+            serving = False
+        if serving and not w.healthy:
+            log.info("worker %s is serving model %s", w.addr, w.model)
+        w.healthy = serving
+        self._gauge(w)
+
+    def _gauge(self, w: WorkerClient) -> None:
+        if self._metrics is not None:
+            self._metrics.worker_up.labels(w.addr).set(1 if w.usable else 0)
+
+    async def _adopt(self, w: WorkerClient, info: pb.ModelInfo) -> None:
+        """Record a worker's ModelInfo; build or check the model's tokenizer."""
+        files = TokenizerFiles(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token)
+        if info.tokenizer_sha256 and info.tokenizer_sha256 not in files.sha256_variants():
+            log.warning("worker %s: tokenizer_sha256 %s is not the sha256 of the tokenizer it sent (%s)",
+                        w.addr, info.tokenizer_sha256[:12], files.sha256[:12])
+        w.info = info
+        entry = self.models.get(info.model_name)
+        if entry is None:
+            if self._local_tok is not None:
+                tok = self._local_tok
+                agrees = await asyncio.to_thread(self._same_tokenizer, tok, files)
+            else:
+                tok = await asyncio.to_thread(ChatTokenizer, files)
+                agrees = True
+            if agrees:
+                self.models[info.model_name] = ModelEntry(info.model_name, int(info.max_context_tokens), tok,
+                                                          tuple(info.eos_token_ids))
+            w.agrees = agrees
+        else:
+            w.agrees = await asyncio.to_thread(self._same_tokenizer, entry.tokenizer, files)
+            if w.agrees and int(info.max_context_tokens) != entry.max_context_tokens:
+                log.error("worker %s serves %s with context %d, others with %d; not routing to it", w.addr,
+                          info.model_name, info.max_context_tokens, entry.max_context_tokens)
+                w.agrees = False
+        if not w.agrees:
+            w.last_error = "tokenizer disagrees with the gateway's"
+            log.error("worker %s: tokenizer/chat template of %s differ from the gateway's; not routing to it",
+                      w.addr, info.model_name)
+
+    @staticmethod
+    def _same_tokenizer(tok: ChatTokenizer, files: TokenizerFiles) -> bool:
+        if tok.sha256 == files.sha256:
+            return True
+        if tok.files.chat_template != files.chat_template:
+            return False
+        try:
+            return tok.normalized() == ChatTokenizer(files).normalized()
+        except Exception:
+            return False
+
+    async def poll_once(self) -> None:
+        """Check every worker once (concurrently)."""
+        await asyncio.gather(*(self._check(w) for w in self.workers), return_exceptions=True)
+        self._first_round.set()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:
+                log.exception("worker poll failed")
+            await asyncio.sleep(self.health_interval_s)
+
+    async def start(self, wait_s: float = 0.0) -> None:
+        """Start polling; wait up to `wait_s` seconds for a usable worker."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="worker-pool")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not any(w.usable for w in self.workers):
+            await asyncio.sleep(0.05)
+
+    async def stop(self) -> None:
+        """Stop polling and close every channel."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        for w in self.workers:
+            await w.close()
+
+    # -- queries ---------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """True when at least one worker is usable."""
+        return any(w.usable for w in self.workers)
+
+    def model_names(self) -> list[str]:
+        """Models served by at least one usable worker, sorted."""
+        return sorted({w.model for w in self.workers if w.usable and w.model in self.models})
+
+    def model(self, name: str) -> ModelEntry | None:
+        """The model entry, or None when no usable worker serves it."""
+        if name in self.models and any(w.usable and w.model == name for w in self.workers):
+            return self.models[name]
+        return None
+
+    def pick(self, model: str, exclude: set[WorkerClient] | frozenset = frozenset()) -> WorkerClient | None:
+        """The usable worker of `model` with the fewest in-flight tokens (ties: round robin), or None."""
+        cands = [w for w in self.workers if w.usable and w.model == model and w not in exclude]
+        if not cands:
+            return None
+        best = min(w.load_score() for w in cands)
+        tied = [w for w in cands if w.load_score() == best]
+        return tied[next(self._rr) % len(tied)]
+
+
+class Generation:
+    """A ``Generate`` stream that has produced its first token (or finished) on one worker.
+
+    Iterate it for the remaining `GenerateResponse` messages (the ones already read come first).
+    `cancel()` cancels the gRPC call (the worker aborts). `close()` releases the worker's load count.
+    """
+
+    def __init__(self, worker: WorkerClient, call, request_id: str, cost: int,
+                 pending: list[pb.GenerateResponse]) -> None:
+        self.worker = worker
+        self.call = call
+        self.request_id = request_id
+        self.cost = cost
+        self.pending = pending
+        self.closed = False
+
+    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        """All messages of the stream. Raises grpc.aio.AioRpcError / asyncio.CancelledError on failure."""
+        while self.pending:
+            yield self.pending.pop(0)
+        if self.call.cancelled():
+            raise asyncio.CancelledError()
+        it = self.call.__aiter__()  # the call's one message iterator, resumed where start_generation left it
+        while True:
+            try:
+                msg = await it.__anext__()
+            except StopAsyncIteration:
+                return
+            yield msg
+
+    def cancel(self) -> None:
+        """Cancel the call (the worker aborts the request)."""
+        if not self.call.done():
+            self.call.cancel()
+
+    def close(self) -> None:
+        """Cancel if still running and stop counting this request's tokens on the worker (idempotent)."""
+        self.cancel()
+        if not self.closed:
+            self.closed = True
+            self.worker.local_inflight -= self.cost
+
+
+def _is_progress(msg: pb.GenerateResponse) -> bool:
+    return bool(msg.token_ids) or bool(msg.text_delta) or msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+
+async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateRequest, cost: int, *,
+                           max_attempts: int = 3, metrics=None) -> Generation:
+    """Start `request` on the least-loaded worker of `model`, retrying on another worker when one fails
+    before its first token.
+
+    Raises APIError: 400 when the worker rejects the request as invalid, 503 when no worker could run
+    it. Cancellation (asyncio) cancels the call in progress.
+    """
+    tried: set[WorkerClient] = set()
+    last: str = "no worker serves this model"
+    base_id = request.request_id
+    for attempt in range(max(1, max_attempts)):
+        w = pool.pick(model, tried)
+        if w is None:
+            break
+        tried.add(w)
+        req = pb.GenerateRequest()
+        req.CopyFrom(request)
+        req.request_id = base_id if attempt == 0 else f"{base_id}.r{attempt}"
+        w.local_inflight += cost
+        call = w.stub.Generate(req)
+        gen = Generation(w, call, req.request_id, cost, [])
+        try:
+            it = call.__aiter__()
+            while True:
+                try:
+                    msg = await it.__anext__()
+                except StopAsyncIteration:
+                    msg = None
+                if msg is None:  # stream ended without a final message: a broken worker
+                    last = f"worker {w.addr} ended the stream without finishing"
+                    break
+                if msg.finish_reason == pb.FINISH_REASON_ABORT and not msg.token_ids and not msg.text_delta:
+                    last = f"worker {w.addr} aborted the request before its first token"
+                    break
+                gen.pending.append(msg)
+                if _is_progress(msg):
+                    return gen
+            log.warning("%s; retrying on another worker", last)
+            gen.close()
+            if metrics is not None:
+                metrics.worker_retries.labels(w.addr).inc()
+        except grpc.aio.AioRpcError as e:
+            gen.close()
+            if e.code() in _CLIENT_CODES:
+                raise invalid_request(e.details() or "invalid request", None, "invalid_value") from None
+            last = f"worker {w.addr}: {e.code().name} {e.details()}"
+            log.warning("generation failed before the first token (%s); retrying on another worker", last)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                w.healthy = False
+            if metrics is not None:
+                metrics.worker_retries.labels(w.addr).inc()
+        except BaseException:
+            gen.close()
+            raise
+    raise unavailable(f"No worker could serve the request ({last}).")
+
+
+__all__ = ["APIError", "Generation", "ModelEntry", "WorkerClient", "WorkerPool", "start_generation"]

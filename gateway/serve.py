@@ -1,0 +1,57 @@
+"""Run the gateway app with uvicorn in a background thread (tests, benchmarks, embedding)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+
+class ServerThread:
+    """uvicorn serving `app` on host:port in a daemon thread with its own event loop.
+
+    `start()` returns once the server accepts connections (raises RuntimeError after `timeout_s`
+    seconds or when startup fails); `stop()` shuts it down gracefully.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        if port == 0:
+            from fairshare.procs import free_port
+
+            port = free_port()
+        self.host = host
+        self.port = port
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    access_log=False, timeout_graceful_shutdown=3))
+        self.thread = threading.Thread(target=self.server.run, name=f"gateway-{port}", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> "ServerThread":
+        """Start serving and wait until started."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError("gateway server failed to start")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"gateway server not started after {timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask uvicorn to exit and join the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

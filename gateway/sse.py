@@ -1,0 +1,72 @@
+"""Server-sent events as OpenAI streams them: ``data: {json}`` lines, then ``data: [DONE]``.
+
+`SSEResponse` is a StreamingResponse that also watches the connection: when the client goes away it
+calls `on_disconnect` at once (which cancels the gRPC streams, so the worker aborts) and always closes
+the body generator, so that its ``finally`` (settlement) runs deterministically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Callable, Mapping
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+DONE = b"data: [DONE]\n\n"
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def event(obj: Any) -> bytes:
+    """One SSE event carrying `obj` as compact JSON (non-ASCII kept as UTF-8)."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` response over an async generator of already-encoded events.
+
+    `on_disconnect` is called (once) when the client disconnects or a write to it fails.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_disconnect: Callable[[], None],
+                 headers: Mapping[str, str] | None = None, status_code: int = 200) -> None:
+        h = dict(SSE_HEADERS)
+        h.update(headers or {})
+        super().__init__(content, status_code=status_code, headers=h, media_type=self.media_type)
+        self._on_disconnect = on_disconnect
+        self._notified = False
+
+    def _gone(self) -> None:
+        if not self._notified:
+            self._notified = True
+            self._on_disconnect()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    self._gone()
+                    return
+
+        watcher = asyncio.ensure_future(watch())
+        finished = False
+        try:
+            await self.stream_response(send)
+            finished = True
+        except OSError:  # the client went away while we were writing
+            self._gone()
+        finally:
+            watcher.cancel()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:  # the generator's own errors were handled inside it
+                    pass
+        if finished and self.background is not None:
+            await self.background()

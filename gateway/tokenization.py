@@ -1,0 +1,179 @@
+"""Tokenizing in the gateway (HF `tokenizers` + the model's Jinja chat template; no torch, no model files).
+
+The tokenizer (``tokenizer.json`` text) and chat template come from the worker (``GetModelInfo``) or
+from a local directory (``--tokenizer DIR``). The template is rendered the way Hugging Face's
+``apply_chat_template`` does it: an ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
+``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}`` tag, the ``tojson`` filter
+without HTML escaping, ``raise_exception`` and ``strftime_now``; variables ``messages``,
+``add_generation_prompt=True``, ``bos_token`` and ``eos_token``. The rendered text is encoded without
+adding special tokens (the template already holds them); raw completion prompts are encoded with them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+
+class TemplateError(ValueError):
+    """The chat template refused the conversation (e.g. ``raise_exception`` in the template)."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (HF's assistant-mask marker): renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):  # noqa: D102
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox configured like HF ``apply_chat_template``.
+
+    Raises jinja2.TemplateSyntaxError for a template that does not parse.
+    """
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def tokenizer_sha256(tokenizer_json: str, chat_template: str) -> str:
+    """sha256 hex of ``tokenizer_json + chat_template`` (UTF-8), as the worker reports in ModelInfo."""
+    return hashlib.sha256((tokenizer_json + chat_template).encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    """The texts a gateway needs to tokenize for one model."""
+
+    tokenizer_json: str
+    chat_template: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @property
+    def sha256(self) -> str:
+        """sha256 of tokenizer_json + chat_template."""
+        return tokenizer_sha256(self.tokenizer_json, self.chat_template)
+
+    def sha256_variants(self) -> set[str]:
+        """Digests a worker may report: of ``json + template`` (the proto's wording) or ``json + NUL +
+        template`` (what the reference worker computes)."""
+        return {self.sha256, tokenizer_sha256(self.tokenizer_json + "\0", self.chat_template)}
+
+
+def _token_text(v: Any) -> str:
+    if isinstance(v, dict):
+        return str(v.get("content", ""))
+    return "" if v is None else str(v)
+
+
+def load_tokenizer_dir(path: str | Path) -> TokenizerFiles:
+    """Read ``tokenizer.json`` and the chat template from a HF model directory (no weights needed).
+
+    The template comes from ``chat_template.jinja`` or ``tokenizer_config.json["chat_template"]``
+    (for a list of named templates, the one named ``default``). Raises FileNotFoundError.
+    """
+    p = Path(path)
+    if p.is_file():
+        p = p.parent
+    tokenizer_json = (p / "tokenizer.json").read_text(encoding="utf-8")
+    cfg: dict[str, Any] = {}
+    if (p / "tokenizer_config.json").exists():
+        cfg = json.loads((p / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = ""
+    if (p / "chat_template.jinja").exists():
+        template = (p / "chat_template.jinja").read_text(encoding="utf-8")
+    else:
+        t = cfg.get("chat_template") or ""
+        if isinstance(t, list):
+            named = {d.get("name"): d.get("template", "") for d in t if isinstance(d, dict)}
+            t = named.get("default") or next(iter(named.values()), "")
+        template = t
+    return TokenizerFiles(tokenizer_json, template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
+
+
+class ChatTokenizer:
+    """Counts and encodes prompts for one model.
+
+    Raises TemplateError from `render_chat` when the template rejects the messages or the model has
+    no chat template.
+    """
+
+    def __init__(self, files: TokenizerFiles) -> None:
+        self.files = files
+        self.tokenizer = Tokenizer.from_str(files.tokenizer_json)
+        self._template = compile_chat_template(files.chat_template) if files.chat_template else None
+
+    @property
+    def sha256(self) -> str:
+        """sha256 of the tokenizer json + chat template this tokenizer was built from."""
+        return self.files.sha256
+
+    def normalized(self) -> str:
+        """A canonical form (re-serialised tokenizer + template) to compare tokenizers whose JSON text differs."""
+        return self.tokenizer.to_str() + "\0" + self.files.chat_template
+
+    @property
+    def has_chat_template(self) -> bool:
+        """True when the model has a chat template."""
+        return self._template is not None
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for `messages` with the generation prompt appended."""
+        if self._template is None:
+            raise TemplateError("this model has no chat template; use /v1/completions")
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True,
+                                         bos_token=self.files.bos_token, eos_token=self.files.eos_token)
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise TemplateError(str(e)) from e
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of the rendered conversation (special tokens come from the template only)."""
+        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a raw completion prompt, with the tokenizer's special tokens (e.g. BOS)."""
+        return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (special tokens skipped)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows (including added tokens)."""
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)

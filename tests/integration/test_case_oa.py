@@ -1,0 +1,293 @@
+"""OpenAI-compatibility cases OA1, OA3, OA4, OA5, OA6, OA7 (shared/cases/openai-compat.md), run against
+the real gateway, a real worker (random tiny model) and Redis, through the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from fairshare.v1 import worker_pb2 as pb
+from fairshare.v1 import worker_pb2_grpc as pb_grpc
+
+MODEL = "random-tiny"
+HELLO = [{"role": "user", "content": "Hello, how are you?"}]
+
+TENANTS = [
+    {"id": "oa-main", "limits": {"rpm": 10000, "tpm": 10_000_000}},
+    {"id": "oa7-stream", "limits": {"max_inflight_tokens": 2040, "tpm": 1_000_000}},
+    {"id": "oa7-plain", "limits": {"max_inflight_tokens": 2040, "tpm": 1_000_000}},
+]
+
+
+@pytest.fixture(scope="module")
+def gw(gateway_factory):
+    return gateway_factory(TENANTS)
+
+
+def sse_lines(resp: httpx.Response) -> list[str]:
+    return [line for line in resp.iter_lines() if line]
+
+
+def post(gw, tenant: str, path: str, body: dict, stream: bool = False):
+    headers = {"authorization": f"Bearer {gw.keys[tenant]}"}
+    client = httpx.Client(timeout=60)
+    if stream:
+        return client.stream("POST", gw.base_url + path, json=body, headers=headers)
+    return client.post(gw.base_url + path, json=body, headers=headers)
+
+
+def assert_openai_error(resp: httpx.Response, status: int, type_: str | None = None, param=..., code=...):
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in err["message"]
+    if type_ is not None:
+        assert err["type"] == type_
+    if param is not ...:
+        assert err["param"] == param
+    if code is not ...:
+        assert err["code"] == code
+    return err
+
+
+# -- OA1 -------------------------------------------------------------------------------------------
+
+def test_case_oa1_stream_include_usage(gw):
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with post(gw, "oa-main", "/v1/chat/completions", body, stream=True) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = sse_lines(r)
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    usage_chunks = [c for c in chunks if c["choices"] == []]
+    assert len(usage_chunks) == 1 and chunks[-1] is usage_chunks[0]  # just before [DONE]
+    u = usage_chunks[0]["usage"]
+    assert u["completion_tokens"] == 8 and u["total_tokens"] == u["prompt_tokens"] + 8
+    assert "cached_tokens" in u["prompt_tokens_details"]
+    for c in chunks[:-1]:
+        assert "usage" in c and c["usage"] is None  # every content chunk: usage null
+        assert c["object"] == "chat.completion.chunk"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+    # the same request without include_usage: no usage chunk, no usage key
+    body.pop("stream_options")
+    with post(gw, "oa-main", "/v1/chat/completions", body, stream=True) as r:
+        lines2 = sse_lines(r)
+    chunks2 = [json.loads(line[6:]) for line in lines2[:-1]]
+    assert lines2[-1] == "data: [DONE]"
+    assert all(c["choices"] for c in chunks2) and all("usage" not in c for c in chunks2)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks2) == text
+
+    # and through the official client
+    client = gw.client("oa-main")
+    got = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert got[-1].choices == [] and got[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in got[:-1])
+
+
+def test_case_oa1_text_completions_include_usage(gw):
+    client = gw.client("oa-main")
+    got = list(client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    assert got[-1].choices == [] and got[-1].usage.completion_tokens == 5
+    assert all(c.usage is None for c in got[:-1])
+    assert got[-2].choices[0].finish_reason == "length"
+
+
+# -- OA3 -------------------------------------------------------------------------------------------
+
+def test_case_oa3_max_completion_tokens(gw):
+    client = gw.client("oa-main")
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_completion_tokens=1, temperature=0)
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "length"
+    ref = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1, temperature=0)
+    assert ref.usage.completion_tokens == 1 and ref.choices[0].finish_reason == "length"
+    assert r.choices[0].message.content == ref.choices[0].message.content
+    # streamed, too
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_completion_tokens=1,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 1
+    assert [c.choices[0].finish_reason for c in chunks[:-1] if c.choices[0].finish_reason] == ["length"]
+    # max_completion_tokens wins over max_tokens when both are given
+    both = client.chat.completions.create(model=MODEL, messages=HELLO, max_completion_tokens=2, max_tokens=7,
+                                          temperature=0)
+    assert both.usage.completion_tokens == 2
+
+
+# -- OA4 -------------------------------------------------------------------------------------------
+
+def test_case_oa4_prompt_too_long_streaming_is_400_json(gw):
+    long_text = "hello world " * 2000  # > 2048 tokens of context
+    body = {"model": MODEL, "messages": [{"role": "user", "content": long_text}], "stream": True, "max_tokens": 5}
+    with post(gw, "oa-main", "/v1/chat/completions", body, stream=True) as r:
+        r.read()
+        err = assert_openai_error(r, 400, "invalid_request_error", "messages", "context_length_exceeded")
+    assert "maximum context length is 2048" in err["message"]
+    # without max_tokens, and on /v1/completions
+    body.pop("max_tokens")
+    with post(gw, "oa-main", "/v1/chat/completions", body, stream=True) as r:
+        r.read()
+        assert_openai_error(r, 400, "invalid_request_error", "messages", "context_length_exceeded")
+    with post(gw, "oa-main", "/v1/completions", {"model": MODEL, "prompt": long_text, "stream": True},
+              stream=True) as r:
+        r.read()
+        assert_openai_error(r, 400, "invalid_request_error", "prompt", "context_length_exceeded")
+    # a prompt that fits, but not with the requested completion
+    with post(gw, "oa-main", "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "stream": True,
+                                                       "max_tokens": 2048}, stream=True) as r:
+        r.read()
+        assert_openai_error(r, 400, "invalid_request_error", "messages", "context_length_exceeded")
+    # the official client raises BadRequestError before any stream starts
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.client("oa-main").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long_text}],
+                                                     stream=True)
+    assert e.value.code == "context_length_exceeded"
+    assert gw.leases("oa-main") == {}
+
+
+# -- OA5 -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "n": 0}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "top_p": 3}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": HELLO}, 400, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "messages.[0].role"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400,
+     "messages.[0].content"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "stream_options": {"include_usage": True}},
+     400, "stream_options"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "n": 500}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x " * 3000}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"model": "no-such-model", "messages": HELLO}, 404, "model"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "x"}, 404, "model"),
+])
+def test_case_oa5_invalid_requests_have_openai_error_shape(gw, path, body, status, param):
+    r = post(gw, "oa-main", path, body)
+    err = assert_openai_error(r, status, "invalid_request_error", param)
+    assert err["code"] is None or isinstance(err["code"], str)
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
+def test_case_oa5_malformed_bodies_and_routes(gw):
+    h = {"authorization": f"Bearer {gw.keys['oa-main']}", "content-type": "application/json"}
+    for raw in (b"{not json", b"[1, 2]", b"", "\"text\"".encode()):
+        r = httpx.post(gw.base_url + "/v1/chat/completions", content=raw, headers=h)
+        assert_openai_error(r, 400, "invalid_request_error")
+    assert_openai_error(httpx.get(gw.base_url + "/v1/nothing-here", headers=h), 404, "invalid_request_error")
+    assert_openai_error(httpx.get(gw.base_url + "/v1/chat/completions", headers=h), 405)
+    with pytest.raises(openai.NotFoundError) as e:
+        gw.client("oa-main").chat.completions.create(model="nope", messages=HELLO)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.client("oa-main").chat.completions.create(model=MODEL, messages=HELLO, temperature="x")
+    assert e.value.param == "temperature"
+
+
+# -- OA6 -------------------------------------------------------------------------------------------
+
+def test_case_oa6_empty_messages(gw):
+    r = post(gw, "oa-main", "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert_openai_error(r, 400, "invalid_request_error", "messages")
+    with pytest.raises(openai.BadRequestError) as e:
+        gw.client("oa-main").chat.completions.create(model=MODEL, messages=[])
+    assert e.value.status_code == 400 and e.value.param == "messages" and e.value.type == "invalid_request_error"
+    # streamed too: still a JSON 400, nothing admitted
+    with post(gw, "oa-main", "/v1/chat/completions", {"model": MODEL, "messages": [], "stream": True},
+              stream=True) as r:
+        r.read()
+        assert_openai_error(r, 400, "invalid_request_error", "messages")
+
+
+# -- OA7 -------------------------------------------------------------------------------------------
+
+def tenant_load(worker_addr: str, tenant_id: str) -> pb.TenantLoad | None:
+    with grpc.insecure_channel(worker_addr) as ch:
+        load = pb_grpc.WorkerStub(ch).GetLoad(pb.GetLoadRequest(), timeout=5)
+    return next((t for t in load.tenants if t.tenant_id == tenant_id), None)
+
+
+def wait_stopped(gw, worker_addr: str, tenant_id: str, within_s: float) -> float:
+    """Seconds until the tenant has nothing running or waiting on the worker and no lease in Redis."""
+    t0 = time.monotonic()
+    while True:
+        tl = tenant_load(worker_addr, tenant_id)
+        if tl is not None and tl.running == 0 and tl.waiting == 0 and gw.leases(tenant_id) == {}:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > within_s:
+            raise AssertionError(f"still running after {within_s} s: {tl} leases={gw.leases(tenant_id)}")
+        time.sleep(0.02)
+
+
+def full_budget_request(gw, tenant: str):
+    """A request that needs the tenant's whole in-flight budget (2040 tokens)."""
+    client = gw.client(tenant)
+    prompt_tokens = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).usage.prompt_tokens
+    return client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2040 - prompt_tokens,
+                                          temperature=0, stop=None, extra_body={"ignore_eos": False}, timeout=120,
+                                          stream=True)
+
+
+def test_case_oa7_stream_disconnect_stops_generation(gw, worker_addr):
+    client = gw.client("oa7-stream")
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2000, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it), next(it)  # read 2 chunks
+    assert len(gw.leases("oa7-stream")) == 1
+    stream.close()  # client goes away
+    took = wait_stopped(gw, worker_addr, "oa7-stream", within_s=1.0)
+    produced = tenant_load(worker_addr, "oa7-stream").output_tokens
+    time.sleep(0.3)
+    assert tenant_load(worker_addr, "oa7-stream").output_tokens == produced < 2000  # really stopped
+    # immediately: a request that needs the whole in-flight budget is admitted
+    s = full_budget_request(gw, "oa7-stream")
+    first = next(iter(s))
+    assert first.choices[0].delta.role == "assistant"
+    s.close()
+    wait_stopped(gw, worker_addr, "oa7-stream", within_s=2.0)
+    assert took <= 1.0
+
+
+def test_case_oa7_non_streamed_client_gives_up(gw, worker_addr):
+    client = gw.client("oa7-plain", timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2000, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert time.monotonic() - t0 < 2
+    wait_stopped(gw, worker_addr, "oa7-plain", within_s=1.0)
+    produced = tenant_load(worker_addr, "oa7-plain").output_tokens
+    assert produced < 2000
+    time.sleep(0.3)
+    assert tenant_load(worker_addr, "oa7-plain").output_tokens == produced
+    s = full_budget_request(gw, "oa7-plain")
+    assert next(iter(s)).choices[0].delta.role == "assistant"
+    s.close()
+    wait_stopped(gw, worker_addr, "oa7-plain", within_s=2.0)
