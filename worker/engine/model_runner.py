@@ -1,0 +1,296 @@
+"""A compact Llama-family forward pass over a paged KV cache (the reference backend, CPU or CUDA).
+
+Algorithms and their sources:
+- Llama architecture: Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models";
+  grouped-query attention (GQA): Ainslie et al. 2023; SwiGLU MLP: Shazeer 2020, "GLU Variants
+  Improve Transformer".
+- RMSNorm: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
+- Rotary position embedding (RoPE): Su et al. 2021, "RoFormer"; in the "rotate half" layout of
+  Hugging Face transformers' Llama. Scaling "linear" (Chen et al. 2023, position interpolation) and
+  "llama3" (Meta's Llama 3.1 frequency-dependent rescaling, as in transformers'
+  `_compute_llama3_parameters`).
+- Paged KV cache: Kwon et al., SOSP 2023, "Efficient Memory Management for Large Language Model
+  Serving with PagedAttention": the cache is a pool of fixed-size blocks; each sequence owns a
+  block table mapping its logical blocks to pool blocks.
+- Mixing prefill chunks and decode tokens in one step: Agrawal et al. 2024 (Sarathi-Serve,
+  chunked prefill); the whole batch is flattened to one [T, hidden] matrix so each weight is
+  multiplied once per layer per step (Yu et al., OSDI 2022, Orca's selective batching).
+
+Attention: every prefill chunk runs `scaled_dot_product_attention` against its own sequence's
+keys (gathered from the pool when the chunk does not start at 0); all single-token decodes of a
+step run in ONE padded batched call, with the GQA query heads folded onto their KV head
+(q [B, kv_heads, group, head_dim] against k [B, kv_heads, L, head_dim]) so K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ForwardItem", "ModelRunner"]
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's share of a forward step.
+
+    token_ids: new tokens to compute (a prefill chunk, or 1 decode token).
+    start_pos: position of token_ids[0] in the sequence (= tokens already in the KV cache).
+    block_table: KV pool block ids covering positions [0, start_pos + len(token_ids)),
+    `block_size` positions each (block_table[i] holds positions i*block_size ... +block_size-1).
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2] (fp32), with optional linear / llama3 scaling."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv / factor
+    if kind == "llama3":
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope scaling {kind!r} is not implemented (default, linear, llama3 are)")
+
+
+class _Layer:
+    """Fused weights of one decoder layer: qkv [(H+2K)*D, hidden], o, gate_up [2I, hidden], down."""
+
+    __slots__ = ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gate_up", "gate_up_b", "down", "down_b")
+
+
+class ModelRunner:
+    """Runs a `worker.models.LoadedModel` over a paged KV cache.
+
+    KV cache: one tensor [num_layers, 2 (k, v), num_kv_blocks, block_size, num_kv_heads, head_dim]
+    in `dtype`, allocated at construction. device: "cpu" or "cuda[:n]". dtype: weights, activations
+    and cache; default float32 on CPU and bfloat16 on CUDA. Logits are always returned as float32.
+    Not thread-safe: one forward at a time.
+    """
+
+    def __init__(self, model, num_kv_blocks: int, block_size: int = 16, device: str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
+        if num_kv_blocks < 1 or block_size < 1:
+            raise ValueError("num_kv_blocks and block_size must be >= 1")
+        if not model.state_dict:
+            raise ValueError(f"model {model.name!r} was loaded without weights")
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        cfg = model.config
+        self.config = cfg
+        self.block_size = int(block_size)
+        self.num_kv_blocks = int(num_kv_blocks)
+        self.vocab_size = int(cfg.vocab_size)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.group = self.num_heads // self.num_kv_heads
+        self.eps = cfg.rms_norm_eps
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.max_positions = int(model.max_context_tokens)
+
+        sd = model.state_dict
+
+        def w(name: str) -> torch.Tensor:
+            return sd[name].to(device=self.device, dtype=self.dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if name in sd else None
+
+        def cat(names: list[str]) -> torch.Tensor | None:
+            if not any(n in sd for n in names):
+                return None
+            parts = [w(n) if n in sd else torch.zeros(sd[n.replace(".bias", ".weight")].shape[0],
+                                                       device=self.device, dtype=self.dtype) for n in names]
+            return torch.cat(parts, 0).contiguous()
+
+        with torch.inference_mode():
+            self.embed = w("model.embed_tokens.weight")
+            self.lm_head = self.embed if "lm_head.weight" not in sd else w("lm_head.weight")
+            self.norm = w("model.norm.weight")
+            self.layers: list[_Layer] = []
+            for i in range(cfg.num_layers):
+                p = f"model.layers.{i}."
+                a, m = p + "self_attn.", p + "mlp."
+                layer = _Layer()
+                layer.ln1 = w(p + "input_layernorm.weight")
+                layer.ln2 = w(p + "post_attention_layernorm.weight")
+                layer.qkv = cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+                layer.qkv_b = cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+                layer.o, layer.o_b = w(a + "o_proj.weight"), opt(a + "o_proj.bias")
+                layer.gate_up = cat([m + "gate_proj.weight", m + "up_proj.weight"])
+                layer.gate_up_b = cat([m + "gate_proj.bias", m + "up_proj.bias"])
+                layer.down, layer.down_b = w(m + "down_proj.weight"), opt(m + "down_proj.bias")
+                self.layers.append(layer)
+            inv = rope_inv_freq(self.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]: HF "rotate half" layout
+            self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
+            self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
+            self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
+                                        self.num_kv_heads, self.head_dim, device=self.device, dtype=self.dtype)
+        self.intermediate = cfg.intermediate_size
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    @staticmethod
+    def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype | None) -> int:
+        """Bytes one KV block takes across all layers (K and V). dtype None means float32 (the CPU
+        default; an upper bound for bfloat16 on CUDA)."""
+        cfg = model.config
+        elem = torch.empty((), dtype=dtype or torch.float32).element_size()
+        return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    # ------------------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm (Zhang & Sennrich 2019), computed in fp32 as HF Llama does."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by position (Su et al. 2021): x*cos + rotate_half(x)*sin."""
+        half = self.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+    def _validate(self, items: list[ForwardItem]) -> None:
+        for it in items:
+            n = len(it.token_ids)
+            if n == 0:
+                raise ValueError("a ForwardItem has no tokens")
+            end = it.start_pos + n
+            if it.start_pos < 0 or end > self.max_positions:
+                raise ValueError(f"positions [{it.start_pos}, {end}) exceed the model's {self.max_positions}")
+            if len(it.block_table) * self.block_size < end:
+                raise ValueError(f"block_table of {len(it.block_table)} blocks cannot hold {end} positions")
+
+    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
+        """Compute the items' tokens, write their K/V into the paged cache and return the float32
+        logits of the LAST token of each item: shape [len(items), vocab_size] (on `self.device`).
+
+        Token j of an item sits at position start_pos + j and attends to positions 0..that of its
+        own sequence; positions before start_pos are read from the cache (they must have been
+        computed by earlier calls with the same blocks). Raises ValueError on malformed items.
+        """
+        if not items:
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        self._validate(items)
+        with torch.inference_mode():
+            return self._forward(items)
+
+    def _forward(self, items: list[ForwardItem]) -> torch.Tensor:
+        dev, bs = self.device, self.block_size
+        H, K, D, G = self.num_heads, self.num_kv_heads, self.head_dim, self.group
+
+        # ---- flatten the batch; per-token positions and cache slots (same for all layers) ----
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for it in items:
+            n = len(it.token_ids)
+            ids.extend(it.token_ids)
+            r = range(it.start_pos, it.start_pos + n)
+            pos.extend(r)
+            bt = it.block_table
+            slots.extend(bt[p // bs] * bs + p % bs for p in r)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        cos = self.cos[pos_t].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[pos_t].unsqueeze(1)
+
+        # ---- attention plan: decodes batched with padding, prefill chunks one by one ----
+        offsets, last_rows, off = [], [], 0
+        for it in items:
+            offsets.append(off)
+            off += len(it.token_ids)
+            last_rows.append(off - 1)
+        dec = [i for i, it in enumerate(items) if len(it.token_ids) == 1]
+        pre = [i for i, it in enumerate(items) if len(it.token_ids) > 1]
+        dec_rows = dec_idx = dec_mask = None
+        if dec:
+            lens = [items[i].start_pos + 1 for i in dec]
+            lmax = max(lens)
+            nblk = (lmax + bs - 1) // bs
+            bt = torch.tensor([items[i].block_table[:nblk] + [0] * (nblk - len(items[i].block_table[:nblk]))
+                               for i in dec], dtype=torch.long, device=dev)  # [B, nblk]
+            p = torch.arange(lmax, device=dev)
+            dec_idx = bt[:, p // bs] * bs + p % bs  # [B, Lmax] pool slots
+            dec_mask = (p[None, :] < torch.tensor(lens, device=dev)[:, None])[:, None, None, :]  # [B,1,1,L]
+            dec_rows = torch.tensor([offsets[i] for i in dec], dtype=torch.long, device=dev)
+        pre_plan = []
+        for i in pre:
+            it = items[i]
+            n, s = len(it.token_ids), it.start_pos
+            if s == 0:
+                pre_plan.append((offsets[i], n, None, None))
+            else:
+                end = s + n
+                nblk = (end + bs - 1) // bs
+                bt = torch.tensor(it.block_table[:nblk], dtype=torch.long, device=dev)
+                p = torch.arange(end, device=dev)
+                gather = bt[p // bs] * bs + p % bs
+                mask = p[None, :] <= torch.arange(s, end, device=dev)[:, None]  # [n, end]
+                pre_plan.append((offsets[i], n, gather, mask))
+
+        x = self.embed[ids_t]  # [T, hidden]
+        T = x.shape[0]
+        for li, layer in enumerate(self.layers):
+            h = self._rms(x, layer.ln1)
+            qkv = F.linear(h, layer.qkv, layer.qkv_b)
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, H + K, D)
+            qk = self._rope(qk, cos, sin)
+            q = qk[:, :H]
+            k = qk[:, H:]
+            v = qkv[:, self.q_size + self.kv_size:].view(T, K, D)
+            kc = self.kv_cache[li, 0].view(-1, K, D)
+            vc = self.kv_cache[li, 1].view(-1, K, D)
+            kc.index_copy_(0, slots_t, k)
+            vc.index_copy_(0, slots_t, v)
+
+            attn = torch.empty(T, H, D, device=dev, dtype=x.dtype)
+            if dec:
+                qd = q[dec_rows].view(len(dec), K, G, D)
+                kd = kc[dec_idx].transpose(1, 2)  # [B, K, L, D]
+                vd = vc[dec_idx].transpose(1, 2)
+                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=self.scale)
+                attn[dec_rows] = od.reshape(len(dec), H, D)
+            for start, n, gather, mask in pre_plan:
+                qp = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+                if gather is None:
+                    kp = k[start:start + n].transpose(0, 1).unsqueeze(0)
+                    vp = v[start:start + n].transpose(0, 1).unsqueeze(0)
+                    op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
+                                                        enable_gqa=G > 1)
+                else:
+                    kp = kc[gather].transpose(0, 1).unsqueeze(0)  # [1, K, L, D]
+                    vp = vc[gather].transpose(0, 1).unsqueeze(0)
+                    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
+                                                        enable_gqa=G > 1)
+                attn[start:start + n] = op[0].transpose(0, 1)
+            x = x + F.linear(attn.view(T, H * D), layer.o, layer.o_b)
+
+            h = self._rms(x, layer.ln2)
+            gu = F.linear(h, layer.gate_up, layer.gate_up_b)
+            x = x + F.linear(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:], layer.down, layer.down_b)
+
+        last = x[torch.tensor(last_rows, dtype=torch.long, device=dev)]
+        return F.linear(self._rms(last, self.norm), self.lm_head).float()
