@@ -80,20 +80,24 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, "server_error", None, "service_unavailable")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes", "json-or-python", "lax-or-strict"}
+
+
+def _is_type_tag(item: str) -> bool:
+    """pydantic adds union members (``str``, ``list[...]``, model class names) to error locations."""
+    return (item in _TYPE_TAGS or "[" in item or item.startswith("function-")
+            or (item[:1].isupper() and item.isalnum()))
+
+
 def _loc_to_param(loc: Iterable[Any]) -> str | None:
     """pydantic error location -> OpenAI ``param`` (``messages.[0].role``)."""
     parts: list[str] = []
     for item in loc:
-        if item in ("body",) and not parts:
+        if item == "body" and not parts:
             continue
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif isinstance(item, str):
-            # pydantic adds the union member / tag names to locations; they are not fields
-            if item.startswith(("function-", "list[", "dict[", "str", "int", "float", "bool", "literal[",
-                                "json-or-python[", "tagged-union[", "nullable[", "lax-or-strict[")) \
-                    or item in ("str", "int", "float", "bool", "list", "dict"):
-                continue
+        elif isinstance(item, str) and not _is_type_tag(item):
             parts.append(item)
     return ".".join(parts) if parts else None
 

@@ -115,6 +115,7 @@ class WorkerPool:
         self._task: asyncio.Task | None = None
         self._metrics = metrics
         self._first_round = asyncio.Event()
+        self._adopt_lock = asyncio.Lock()
 
     # -- polling ---------------------------------------------------------------------------------
     async def _check(self, w: WorkerClient) -> None:
@@ -156,12 +157,19 @@ class WorkerPool:
             self._metrics.worker_up.labels(w.addr).set(1 if w.usable else 0)
 
     async def _adopt(self, w: WorkerClient, info: pb.ModelInfo) -> None:
-        """Record a worker's ModelInfo; build or check the model's tokenizer."""
+        """Record a worker's ModelInfo; build or check the model's tokenizer (one worker at a time)."""
+        async with self._adopt_lock:
+            await self._adopt_locked(w, info)
+
+    async def _adopt_locked(self, w: WorkerClient, info: pb.ModelInfo) -> None:
         files = TokenizerFiles(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token)
-        if info.tokenizer_sha256 and info.tokenizer_sha256 not in files.sha256_variants():
-            log.warning("worker %s: tokenizer_sha256 %s is not the sha256 of the tokenizer it sent (%s)",
-                        w.addr, info.tokenizer_sha256[:12], files.sha256[:12])
         w.info = info
+        if info.tokenizer_sha256 and info.tokenizer_sha256 not in files.sha256_variants():
+            w.agrees = False
+            w.last_error = "ModelInfo.tokenizer_sha256 does not match the tokenizer and template it sent"
+            log.error("worker %s: tokenizer_sha256 %s is not the sha256 of the tokenizer and template it sent (%s); "
+                      "not routing to it", w.addr, info.tokenizer_sha256[:12], files.sha256[:12])
+            return
         entry = self.models.get(info.model_name)
         if entry is None:
             if self._local_tok is not None:

@@ -127,8 +127,9 @@ def gateway_factory(redis_url, worker_addr, tmp_path_factory):
         tf.write_text(yaml.safe_dump({"tenants": tenants}))
         keys = {t["id"]: create_key(GATEWAY_TEST_SECRET.encode(), t["id"], d / "tenants.keys.yaml")[0]
                 for t in tenants}
+        overrides.setdefault("redis_url", redis_url)
         settings = GatewaySettings(tenants_file=tf, workers=[worker_addr] if workers is None else workers,
-                                   redis_url=redis_url, secret=GATEWAY_TEST_SECRET, **overrides)
+                                   secret=GATEWAY_TEST_SECRET, **overrides)
         server = ServerThread(create_app(settings)).start()
         started.append(server)
         handle = GatewayHandle(server, settings, keys, redis_url)

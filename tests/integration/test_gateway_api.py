@@ -50,3 +50,106 @@ def test_stream_basic(gw):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason == "length"
     assert all(ch.usage is None for ch in chunks)
+
+
+def test_401_missing_or_wrong_key_openai_shaped(gw):
+    for headers in ({}, {"authorization": "Bearer sk-fs-wrong"}, {"authorization": "Basic abc"},
+                    {"authorization": f"Bearer {gw.keys['api-a']}x"}):
+        for method, path in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models")):
+            r = httpx.request(method, gw.base_url + path, headers=headers,
+                              json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 401
+            body = r.json()
+            assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+            assert body["error"]["type"] == "invalid_request_error"
+            assert body["error"]["code"] in ("invalid_api_key", "missing_api_key")
+    bad = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="sk-fs-not-a-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    assert e.value.code == "invalid_api_key" and "sk-fs-not-a-key" not in e.value.message
+    # a rejected key charges nobody
+    assert gw.leases("api-a") == {} and gw.bucket("api-b") is None
+
+
+def test_text_completions_and_stop(gw):
+    c = gw.client("api-b")
+    r = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.usage.completion_tokens <= 6
+    text = r.choices[0].text
+    assert text
+    # a stop string taken from the greedy output ends the completion before it, with finish_reason stop
+    stop = text.strip().split()[0] if text.strip() else text
+    r2 = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0,
+                              stop=[stop])
+    assert stop not in r2.choices[0].text and r2.choices[0].finish_reason == "stop"
+    # token-id prompts
+    r3 = c.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=2, temperature=0)
+    assert r3.usage.prompt_tokens == 4
+
+
+def test_seed_and_temperature_are_honoured(gw):
+    c = gw.client("api-a")
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=12)
+    a = c.chat.completions.create(**kw, temperature=1.0, seed=42).choices[0].message.content
+    b = c.chat.completions.create(**kw, temperature=1.0, seed=42).choices[0].message.content
+    g1 = c.chat.completions.create(**kw, temperature=0).choices[0].message.content
+    g2 = c.chat.completions.create(**kw, temperature=0, seed=1).choices[0].message.content
+    assert a == b and g1 == g2
+    others = {c.chat.completions.create(**kw, temperature=1.0, seed=s).choices[0].message.content for s in range(3)}
+    assert len(others) > 1
+
+
+def test_stream_equals_non_stream(gw):
+    c = gw.client("api-a")
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Écris un poème 🌸"}], max_tokens=20,
+              temperature=0)
+    full = c.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw, stream=True)
+                       if ch.choices)
+    assert streamed == full and "\ufffd" not in full
+
+
+def test_health_ready_metrics(gw):
+    assert httpx.get(gw.base_url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(gw.base_url + "/readyz")
+    assert ready.status_code == 200 and ready.json()["redis"] and ready.json()["models"] == [MODEL]
+    gw.client("api-a").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    m = httpx.get(gw.base_url + "/metrics")
+    assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
+    assert 'fairshare_gateway_requests_total{endpoint="chat",status="200",tenant="api-a"}' in m.text
+    assert 'fairshare_gateway_tokens_total{kind="completion",model="random-tiny",tenant="api-a"}' in m.text
+    assert "fairshare_gateway_worker_up" in m.text
+
+
+def test_lease_renewed_while_streaming_and_released_after(gateway_factory):
+    gw = gateway_factory([{"id": "renew", "limits": {"max_inflight_tokens": 5000}}], lease_ttl_s=0.6)
+    c = gw.client("renew")
+    s = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=300,
+                                  stream=True, extra_body={"ignore_eos": True})
+    it = iter(s)
+    next(it)
+    import time
+
+    t0 = time.monotonic()
+    seen = 0
+    for _ in it:
+        if time.monotonic() - t0 > 1.5 and not seen:  # well past the 0.6 s TTL: still held
+            assert len(gw.leases("renew")) == 1
+            seen = 1
+    assert seen, "stream ended too early to check renewal"
+    assert gw.leases("renew") == {}
+
+
+def test_redis_down_is_503_not_a_traceback(gateway_factory):
+    from fairshare.procs import free_port
+
+    gw = gateway_factory([{"id": "noredis", "limits": {"tpm": 1000}}], redis_url=f"redis://127.0.0.1:{free_port()}/0",
+                         wait_ready_s=0)
+    r = httpx.post(gw.base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {gw.keys['noredis']}"},
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, timeout=30)
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "server_error"
+    assert "rate limiter is unavailable" in err["message"]
+    ready = httpx.get(gw.base_url + "/readyz")
+    assert ready.status_code == 503 and ready.json()["redis"] is False

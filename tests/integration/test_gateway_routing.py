@@ -1,0 +1,232 @@
+"""Routing: what the gateway sends to workers, retries before the first token, health and tokenizer
+agreement. Fault injection uses small gRPC proxies in front of the real worker (they forward to it or
+fail on purpose); generation itself always comes from the real worker."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from fairshare.procs import free_port
+from fairshare.v1 import worker_pb2 as pb
+from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from tests.conftest import GATEWAY_TEST_SECRET
+
+MODEL = "random-tiny"
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+class ProxyWorker(pb_grpc.WorkerServicer):
+    """A gRPC worker that forwards to the real one; `mode` injects faults:
+    ``record`` (forward, remember requests), ``unavailable`` (Generate fails with UNAVAILABLE),
+    ``abort`` (Generate ends with FINISH_REASON_ABORT before any token), ``other_template`` (ModelInfo
+    sends a different chat template under the original digest), ``other_template_consistent`` (a
+    different template with its matching digest)."""
+
+    def __init__(self, target: str, mode: str = "record"):
+        self.mode = mode
+        self.requests: list[pb.GenerateRequest] = []
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20)])
+        self.stub = pb_grpc.WorkerStub(self.channel)
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.server = grpc.server(futures.ThreadPoolExecutor(16),
+                                  options=[("grpc.max_send_message_length", 256 << 20)])
+        pb_grpc.add_WorkerServicer_to_server(self, self.server)
+        self.health = health.HealthServicer()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server.add_insecure_port(self.addr)
+        self.server.start()
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        if self.mode == "unavailable":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "injected failure")
+        if self.mode == "abort":
+            yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ABORT,
+                                      usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids)))
+            return
+        call = self.stub.Generate(request)
+        context.add_callback(call.cancel)
+        yield from call
+
+    def Abort(self, request, context):
+        return self.stub.Abort(request)
+
+    def GetModelInfo(self, request, context):
+        info = self.stub.GetModelInfo(request)
+        if self.mode.startswith("other_template"):
+            info.chat_template = info.chat_template.replace("helpful", "unhelpful")
+        if self.mode == "other_template_consistent":
+            info.tokenizer_sha256 = hashlib.sha256((info.tokenizer_json + "\0" + info.chat_template).encode()).hexdigest()
+        return info
+
+    def GetLoad(self, request, context):
+        load = self.stub.GetLoad(request)
+        load.inflight_tokens = 0
+        return load
+
+    def stop(self):
+        self.server.stop(0)
+        self.channel.close()
+
+
+@pytest.fixture
+def proxies(worker_addr):
+    made = []
+
+    def make(mode="record"):
+        p = ProxyWorker(worker_addr, mode)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.stop()
+
+
+def test_generate_request_carries_gateway_derived_identity(gateway_factory, proxies):
+    rec = proxies("record")
+    gw = gateway_factory([{"id": "route-a", "weight": 2.5, "tier": "batch"},
+                          {"id": "route-b", "tier": "background", "weight": 0.5}], workers=[rec.addr])
+    client = gw.client("route-a")
+    # the client tries to name another tenant / namespace: ignored
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3, temperature=0,
+                                       user="route-b", extra_body={"tenant": "route-b", "cache_namespace": "evil",
+                                                                   "cache_salt": "my-salt"})
+    client.completions.create(model=MODEL, prompt="Once upon", temperature=0.7, top_p=0.9, seed=5, stop=["x"])
+    gw.client("route-b").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    a1, a2, b = rec.requests
+    ns_a = hmac.new(GATEWAY_TEST_SECRET.encode(), b"cache-ns:route-a", hashlib.sha256).hexdigest()
+    assert a1.tenant.id == "route-a" and a1.tenant.weight == 2.5 and a1.tenant.tier == pb.TIER_BATCH
+    assert a1.tenant.cache_namespace == ns_a and a1.cache_salt == "my-salt"
+    assert a1.sampling.max_tokens == 3 and a1.sampling.temperature == 0
+    assert len(a1.prompt_token_ids) == r.usage.prompt_tokens
+    # max_tokens absent: the gateway sends an explicit number (the rest of the context)
+    assert a2.sampling.max_tokens == 2048 - len(a2.prompt_token_ids)
+    assert a2.sampling.seed == 5 and list(a2.sampling.stop) == ["x"]
+    assert a2.sampling.top_p == pytest.approx(0.9) and a2.sampling.temperature == pytest.approx(0.7)
+    assert a2.tenant.cache_namespace == ns_a and a2.cache_salt == ""
+    assert b.tenant.id == "route-b" and b.tenant.tier == pb.TIER_BACKGROUND and b.tenant.weight == 0.5
+    assert b.tenant.cache_namespace != ns_a
+    assert len({a1.request_id, a2.request_id, b.request_id}) == 3
+
+
+def test_tenant_a_key_is_never_charged_to_b(gateway_factory, worker_addr):
+    gw = gateway_factory([{"id": "iso-a", "limits": {"tpm": 100000}}, {"id": "iso-b", "limits": {"tpm": 100000}}])
+    gw.client("iso-a").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                               extra_body={"tenant": "iso-b"}, user="iso-b")
+    assert gw.bucket("iso-a") is not None and gw.bucket("iso-a")[0] < 100000
+    assert gw.bucket("iso-b") is None  # untouched (a missing bucket is a full one)
+    with grpc.insecure_channel(worker_addr) as ch:
+        load = pb_grpc.WorkerStub(ch).GetLoad(pb.GetLoadRequest(), timeout=5)
+    ids = {t.tenant_id for t in load.tenants}
+    assert "iso-a" in ids and "iso-b" not in ids
+
+
+def test_n_choices(gateway_factory, proxies):
+    rec = proxies("record")
+    gw = gateway_factory([{"id": "n-t", "limits": {"tpm": 100000}}], workers=[rec.addr])
+    client = gw.client("n-t")
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, n=3, temperature=1.0, seed=11)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(rec.requests[0].prompt_token_ids)
+    assert sorted(q.sampling.seed for q in rec.requests) == [11, 12, 13]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, n=2, stream=True,
+                                                 stream_options={"include_usage": True}))
+    finishes = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finishes == [0, 1] and chunks[-1].usage.completion_tokens == 8
+    t = client.completions.create(model=MODEL, prompt=["One", "Two"], max_tokens=2, n=2)
+    assert [c.index for c in t.choices] == [0, 1, 2, 3] and t.usage.completion_tokens == 8
+    assert gw.leases("n-t") == {}
+
+
+@pytest.mark.parametrize("mode", ["unavailable", "abort"])
+def test_worker_failing_before_first_token_is_retried_on_another(gateway_factory, proxies, worker_addr, mode):
+    bad = proxies(mode)
+    good = proxies("record")
+    gw = gateway_factory([{"id": f"retry-{mode}", "limits": {"tpm": 100000}}], workers=[bad.addr, good.addr],
+                         health_interval_s=30.0)
+    client = gw.client(f"retry-{mode}")
+    for i in range(4):  # ties are broken round robin, so the faulty worker is picked first at least once
+        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, stream=bool(i % 2))
+        if i % 2:
+            assert list(r)[-1].choices[0].finish_reason == "length"
+        else:
+            assert r.choices[0].finish_reason == "length"
+    assert bad.requests and len(good.requests) == 4
+    assert {q.tenant.id for q in good.requests} == {f"retry-{mode}"}
+    metrics = httpx.get(gw.base_url + "/metrics").text
+    assert f'fairshare_gateway_worker_retries_total{{worker="{bad.addr}"}}' in metrics
+    assert gw.leases(f"retry-{mode}") == {}
+
+
+def test_no_worker_can_serve_is_503_and_refunds(gateway_factory, proxies):
+    bad = proxies("unavailable")
+    gw = gateway_factory([{"id": "dead", "limits": {"tpm": 6000}}], workers=[bad.addr], health_interval_s=30.0)
+    with pytest.raises(openai.InternalServerError) as e:
+        gw.client("dead").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10)
+    assert e.value.status_code == 503 and e.value.body["type"] == "server_error"
+    assert gw.leases("dead") == {}
+    tokens, _ = gw.bucket("dead")
+    assert tokens > 6000 - 1  # reserved, then refunded in full: nothing was generated
+
+
+def test_disagreeing_or_unhealthy_worker_is_not_used(gateway_factory, proxies):
+    other = proxies("other_template")
+    good = proxies("record")
+    gw = gateway_factory([{"id": "agree"}], workers=[good.addr, other.addr])
+    ready = httpx.get(gw.base_url + "/readyz").json()
+    by_addr = {w["addr"]: w for w in ready["workers"]}
+    assert by_addr[good.addr]["agrees"] and not by_addr[other.addr]["agrees"]
+    client = gw.client("agree")
+    for _ in range(4):
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    assert len(good.requests) == 4 and other.requests == []
+    # the good one stops serving: requests get a 503 until it is back
+    good.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = time.monotonic() + 5
+    while httpx.get(gw.base_url + "/readyz").status_code == 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+    assert e.value.status_code == 503
+    good.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+    deadline = time.monotonic() + 5
+    while httpx.get(gw.base_url + "/readyz").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).choices
+
+
+def test_local_tokenizer_decides_which_workers_agree(gateway_factory, proxies, worker_addr, tmp_path):
+    with grpc.insecure_channel(worker_addr, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
+        info = pb_grpc.WorkerStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+    (tmp_path / "tokenizer.json").write_text(info.tokenizer_json)
+    (tmp_path / "chat_template.jinja").write_text(info.chat_template)
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": info.bos_token, "eos_token": info.eos_token}))
+    other = proxies("other_template_consistent")
+    good = proxies("record")
+    gw = gateway_factory([{"id": "local-tok"}], workers=[other.addr, good.addr], tokenizer=tmp_path)
+    by_addr = {w["addr"]: w for w in httpx.get(gw.base_url + "/readyz").json()["workers"]}
+    assert by_addr[good.addr]["agrees"] and not by_addr[other.addr]["agrees"]
+    client = gw.client("local-tok")
+    for _ in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
+        assert r.usage.prompt_tokens == len(good.requests[-1].prompt_token_ids)
+    assert len(good.requests) == 3 and other.requests == []

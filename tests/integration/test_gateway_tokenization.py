@@ -1,0 +1,74 @@
+"""The gateway's tokenizing (tokenizers + sandboxed Jinja, no torch) equals Hugging Face's
+`apply_chat_template` on the tokenizer and template the worker serves."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from fairshare.v1 import worker_pb2 as pb
+from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from gateway.tokenization import ChatTokenizer, TemplateError, TokenizerFiles, compile_chat_template
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hello"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2+2?"}],
+    [{"role": "user", "content": "Bonjour, ça va ? 你好，世界 🌍🚀"},
+     {"role": "assistant", "content": "Très bien."}, {"role": "user", "content": "  spaces\n\nand lines  "}],
+    [{"role": "user", "content": "<|im_start|> literal special text"}],
+]
+
+
+@pytest.fixture(scope="module")
+def info(worker_addr) -> pb.ModelInfo:
+    with grpc.insecure_channel(worker_addr, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
+        return pb_grpc.WorkerStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+
+
+def test_matches_hf_apply_chat_template(info):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(info.tokenizer_json),
+                                 bos_token=info.bos_token, eos_token=info.eos_token)
+    hf.chat_template = info.chat_template
+    ours = ChatTokenizer(TokenizerFiles(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token))
+    for conv in CONVERSATIONS:
+        text = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        assert ours.render_chat(conv) == text
+        ids = hf.apply_chat_template(conv, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        assert ours.encode_chat(conv) == list(ids)
+    assert ours.encode_text("Once upon a time") == hf("Once upon a time")["input_ids"]
+
+
+def test_sha_agrees_with_worker(info):
+    files = TokenizerFiles(info.tokenizer_json, info.chat_template)
+    assert info.tokenizer_sha256 in files.sha256_variants()
+
+
+def test_template_sandbox_and_errors():
+    t = compile_chat_template("{{ raise_exception('roles must alternate') }}")
+    tok_json = '{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,' \
+               '"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,' \
+               '"model":{"type":"WordLevel","vocab":{"[UNK]":0,"a":1},"unk_token":"[UNK]"}}'
+    tok = ChatTokenizer(TokenizerFiles(tok_json, "{{ raise_exception('roles must alternate') }}"))
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        tok.render_chat([{"role": "user", "content": "a"}])
+    evil = ChatTokenizer(TokenizerFiles(tok_json, "{{ messages.__class__.__mro__ }}"))
+    with pytest.raises(TemplateError):  # the sandbox refuses attribute escapes
+        evil.render_chat([{"role": "user", "content": "a"}])
+    gen = ChatTokenizer(TokenizerFiles(tok_json, "{% for m in messages %}{% generation %}{{ m.content }}"
+                                                 "{% endgeneration %}{% endfor %}{{ messages | tojson }}"))
+    assert gen.render_chat([{"role": "user", "content": "é<"}]) == 'é<[{"role": "user", "content": "é<"}]'
+    assert t is not None
+
+
+def test_gateway_never_imports_torch():
+    code = ("import sys, gateway.app, gateway.cli, gateway.bench, gateway.serve, fairshare.config;"
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr

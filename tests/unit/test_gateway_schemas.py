@@ -1,0 +1,114 @@
+"""Request validation -> OpenAI errors, SSE framing, response builders and the routing choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.errors import APIError, from_validation_error
+from gateway.routing import WorkerClient, WorkerPool
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, chat_chunk, usage_dict
+from gateway.sse import DONE, event
+
+
+def err_of(model, body) -> APIError:
+    with pytest.raises(ValidationError) as e:
+        model.model_validate(body)
+    return from_validation_error(list(e.value.errors()))
+
+
+M = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"model": "m", "messages": []}, "messages", "invalid_value"),
+    ({"model": "m"}, "messages", "missing_required_parameter"),
+    ({"model": "m", "messages": [{"role": "bot", "content": "x"}]}, "messages.[0].role", "invalid_value"),
+    ({"model": "m", "messages": [{"content": "x"}]}, "messages.[0].role", "missing_required_parameter"),
+    ({"model": "m", "messages": M + [{"role": "user", "content": {"a": 1}}]}, "messages.[1].content",
+     "invalid_value"),
+    ({"model": "m", "messages": M, "temperature": 2.5}, "temperature", "invalid_value"),
+    ({"model": "m", "messages": M, "max_completion_tokens": -1}, "max_completion_tokens", "invalid_value"),
+    ({"model": "m", "messages": M, "stop": [""]}, "stop", "invalid_value"),
+    ({"model": "m", "messages": M, "stream_options": {"include_usage": "maybe"}}, "stream_options.include_usage",
+     "invalid_value"),
+    ({"model": 5, "messages": M}, "model", "invalid_value"),
+])
+def test_chat_validation_errors_name_the_param(body, param, code):
+    e = err_of(ChatCompletionRequest, body)
+    assert e.status == 400 and e.type == "invalid_request_error" and e.param == param and e.code == code
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completion_prompt_forms():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).prompts() == ["x"]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompts() == [[1, 2]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [[1], [2, 3]]}).prompts() == [[1], [2, 3]]
+    assert err_of(CompletionRequest, {"model": "m", "prompt": []}).param == "prompt"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"logit_bias": {"1": 2}}, "logit_bias"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.[0].content.[0].type"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_unsupported_parameters_are_refused_not_ignored(extra, param):
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": M, **extra})
+    with pytest.raises(APIError) as e:
+        req.refuse_unsupported()
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_accepted_parameters():
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]},
+                                   {"role": "user", "content": "q"}],
+        "max_tokens": 9, "max_completion_tokens": 3, "stop": "x", "n": 2, "seed": 1, "presence_penalty": 0,
+        "stream": True, "stream_options": {"include_usage": True}, "cache_salt": "s", "unknown_vendor_field": 1})
+    req.refuse_unsupported()
+    assert req.requested_max_tokens() == 3 and req.stops() == ["x"] and req.include_usage()
+    assert req.template_messages()[0] == {"role": "system", "content": "ab"}
+
+
+def test_sse_framing():
+    assert event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert DONE == b"data: [DONE]\n\n"
+    c = chat_chunk("id", 1, "m", "fp", 0, {"content": "x"}, None, None, with_usage=True)
+    assert "usage" in c and c["usage"] is None
+    assert "usage" not in chat_chunk("id", 1, "m", "fp", 0, {"content": "x"})
+    u = chat_chunk("id", 1, "m", "fp", None, usage=usage_dict(3, 4, 1), with_usage=True)
+    assert u["choices"] == [] and u["usage"]["total_tokens"] == 7
+    assert u["usage"]["prompt_tokens_details"]["cached_tokens"] == 1
+    json.dumps(u)
+
+
+def test_pick_least_inflight_tokens():
+    pool = WorkerPool([])
+    ws = []
+    for i, (local, remote, at_poll) in enumerate([(100, 100, 100), (0, 500, 0), (50, 60, 50)]):
+        w = WorkerClient(f"w{i}", healthy=True, agrees=True, local_inflight=local, remote_inflight=remote,
+                         local_at_poll=at_poll)
+        w.info = type("I", (), {"model_name": "m"})()
+        ws.append(w)
+    pool.workers = ws
+    pool.models = {"m": object()}
+    # scores: w0 100; w1 500 (another gateway's load seen at the last poll); w2 60
+    assert pool.pick("m") is ws[2]
+    assert pool.pick("m", {ws[2]}) is ws[0]
+    ws[2].healthy = False
+    assert pool.pick("m") is ws[0]
+    ws[0].agrees = False
+    assert pool.pick("m") is ws[1]
+    assert pool.pick("other") is None
+    # ties: round robin
+    for w in ws:
+        w.healthy, w.agrees, w.local_inflight, w.remote_inflight, w.local_at_poll = True, True, 0, 0, 0
+    assert {pool.pick("m") for _ in range(6)} == set(ws)
