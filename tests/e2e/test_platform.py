@@ -1,0 +1,266 @@
+"""The whole platform on SmolLM2, started with `fairshare up`, used through the official `openai` client.
+
+Real Redis, a real worker running SmolLM2-135M-Instruct on the CPU, the real gateway. One platform
+for the whole module (see conftest.py); the 60-second fairness run comes last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.e2e.conftest import LEASE_INFLIGHT, TINY_TPM, tenant_load
+
+pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def client(platform, tenant: str, **kw) -> openai.OpenAI:
+    kw.setdefault("max_retries", 0)
+    return openai.OpenAI(base_url=platform.base_url, api_key=platform.keys[tenant], **kw)
+
+
+def test_banner_prints_each_tenant_key_once(platform):
+    keys = platform.keys
+    assert set(keys) == {"acme", "globex", "tiny", "lease"}, platform.output[-2000:]
+    assert len(set(keys.values())) == 4
+    assert platform.model, "the banner names the model"
+    # only digests are stored; the secret is private
+    stored = (platform.state_dir / "tenants.keys.yaml").read_text()
+    for k in keys.values():
+        assert k not in stored
+    mode = stat.S_IMODE((platform.state_dir / "secret").stat().st_mode)
+    assert mode == 0o600, oct(mode)
+    print(f"\n[e2e] fairshare up with SmolLM2 ready in {platform.start_s:.1f} s")
+
+
+def test_models_list(platform):
+    models = client(platform, "acme").models.list()
+    ids = [m.id for m in models.data]
+    assert platform.model in ids, ids
+
+
+@pytest.mark.parametrize("tenant", ["acme", "globex"])
+def test_chat_capital_of_france(platform, tenant):
+    resp = client(platform, tenant).chat.completions.create(
+        model=platform.model, messages=QUESTION, max_tokens=30, temperature=0)
+    text = resp.choices[0].message.content
+    assert "Paris" in text, text
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.prompt_tokens > 0 and 0 < resp.usage.completion_tokens <= 30
+
+
+@pytest.mark.parametrize("tenant", ["acme", "globex"])
+def test_chat_capital_of_france_streamed(platform, tenant):
+    stream = client(platform, tenant).chat.completions.create(
+        model=platform.model, messages=QUESTION, max_tokens=30, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    parts, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    text = "".join(parts)
+    assert "Paris" in text, text
+    assert finish in ("stop", "length")
+    assert usage is not None and usage.completion_tokens > 0
+
+
+def test_wrong_key_gets_401(platform):
+    bad = openai.OpenAI(base_url=platform.base_url, api_key="sk-fs-not-a-real-key", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as ei:
+        bad.chat.completions.create(model=platform.model, messages=QUESTION, max_tokens=5)
+    assert ei.value.status_code == 401
+    body = ei.value.response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}, body
+
+
+def test_over_tpm_gets_429_with_retry_after(platform):
+    """Tenant `tiny` has TPM_LIMIT tokens per minute. A streamed request that reserves most of it is
+    running when a second one arrives: the second is refused with 429 before any work is done."""
+    c = client(platform, "tiny")
+    max_tokens = TINY_TPM - 60  # prompt (~30 tokens with the chat template) + max_tokens fits once
+    first = c.chat.completions.create(
+        model=platform.model, max_tokens=max_tokens, stream=True,
+        messages=[{"role": "user", "content": "Count from one to two hundred in words."}])
+    try:
+        next(iter(first))  # admitted and generating
+        with pytest.raises(openai.RateLimitError) as ei:
+            c.chat.completions.create(model=platform.model, messages=QUESTION, max_tokens=max_tokens)
+    finally:
+        first.close()
+    r = ei.value.response
+    assert r.status_code == 429
+    retry_after = r.headers.get("retry-after")
+    assert retry_after is not None and int(retry_after) > 0, dict(r.headers)
+    assert any(h.startswith("x-ratelimit-") for h in r.headers), dict(r.headers)
+    assert r.json()["error"]["type"], r.json()
+
+
+def _wait_tenant_idle(stub, tenant: str, timeout_s: float) -> float:
+    """Seconds until the worker has nothing waiting or running for `tenant` (raises on timeout)."""
+    t0 = time.monotonic()
+    while True:
+        t = tenant_load(stub).get(tenant)
+        if t is not None and t.running == 0 and t.waiting == 0:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout_s:
+            raise AssertionError(f"worker still busy for {tenant} after {timeout_s} s: {t}")
+        time.sleep(0.05)
+
+
+# prompt (< 100 tokens with the chat template) + BIG fits the in-flight budget of `lease` once, never twice
+BIG = LEASE_INFLIGHT - 100
+
+
+def _whole_budget_request(platform) -> None:
+    """A request that reserves (almost) the whole in-flight budget of `lease` is admitted now."""
+    c = client(platform, "lease")
+    stream = c.chat.completions.create(
+        model=platform.model, messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=BIG, stream=True)
+    try:
+        first = next(iter(stream))
+        assert first is not None
+    finally:
+        stream.close()
+
+
+def test_case_oa7_stream_disconnect_frees_capacity(platform, worker_stub):
+    c = client(platform, "lease")
+    stream = c.chat.completions.create(
+        model=platform.model, max_tokens=BIG, stream=True,
+        messages=[{"role": "user", "content": "Write a very long story about a lighthouse keeper."}])
+    it = iter(stream)
+    next(it), next(it)  # two chunks read
+    before = tenant_load(worker_stub)["lease"]
+    assert before.running + before.waiting >= 1
+    # while it runs, the budget is really taken: a second whole-budget request is refused
+    with pytest.raises(openai.RateLimitError):
+        _whole_budget_request(platform)
+    stream.close()  # the client goes away
+    took = _wait_tenant_idle(worker_stub, "lease", 1.0)
+    out_tokens = tenant_load(worker_stub)["lease"].output_tokens
+    time.sleep(0.3)
+    assert tenant_load(worker_stub)["lease"].output_tokens == out_tokens, "generation went on after the abort"
+    _whole_budget_request(platform)
+    print(f"\n[e2e] OA7 streamed: worker idle {took:.2f} s after the disconnect")
+
+
+def test_case_oa7_non_streamed_timeout_frees_capacity(platform, worker_stub):
+    c = client(platform, "lease", timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        c.chat.completions.create(
+            model=platform.model, max_tokens=BIG,
+            messages=[{"role": "user", "content": "Write a very long story about a lighthouse keeper."}])
+    assert time.monotonic() - t0 < 2
+    took = _wait_tenant_idle(worker_stub, "lease", 1.0)
+    _whole_budget_request(platform)
+    print(f"\n[e2e] OA7 non-streamed: worker idle {took:.2f} s after the client gave up")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fairness: both demo tenants backlogged for 60 s of generation
+# ---------------------------------------------------------------------------------------------
+
+FAIR_STREAMS = 8  # per tenant; the worker runs at most MAX_RUNNING (4) sequences, so both stay queued
+FAIR_WINDOW_S = 60.0
+
+
+def fair_max_tokens(i: int, n: int) -> int:
+    """48..80 (64 on average), varied so that requests do not all finish in the same iteration: when a
+    whole batch ends at once, the next one is whatever arrives first, and the scheduler has no choice."""
+    return 48 + (37 * i + 11 * n) % 33
+WEIGHTS = {"acme": 1.0, "globex": 3.0}
+
+
+async def _tenant_loop(platform, tenant: str, stop: asyncio.Event, stats: dict) -> None:
+    c = openai.AsyncOpenAI(base_url=platform.base_url, api_key=platform.keys[tenant], max_retries=0,
+                           timeout=httpx.Timeout(300.0))
+
+    async def one_stream(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            stats["started"] += 1
+            stream = await c.chat.completions.create(
+                model=platform.model, max_tokens=fair_max_tokens(i, n), temperature=0.8, seed=1000 * i + n,
+                stream=True, messages=[{"role": "user", "content":
+                                        f"Tell me a long story about a {['dragon', 'robot', 'sailor', 'baker'][i % 4]}."}])
+            finish = None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    finish = chunk.choices[0].finish_reason
+            assert finish in ("stop", "length"), finish
+            stats["completed"] += 1
+
+    try:
+        await asyncio.gather(*(one_stream(i) for i in range(FAIR_STREAMS)))
+    finally:
+        await c.close()
+
+
+def test_weighted_fair_share_60s(platform, worker_stub):
+    """acme (weight 1) and globex (weight 3) each keep 8 streams outstanding for 60 s of generation
+    (max_tokens ~64) on a worker that runs 4 at a time.
+    Over the window in which both are backlogged at the worker, the worker's charged service splits
+    1:3 within ±15%, and every request of both tenants completes."""
+    stats = {t: {"started": 0, "completed": 0} for t in WEIGHTS}
+    samples: list[dict] = []
+    result: dict = {}
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loops = [asyncio.create_task(_tenant_loop(platform, t, stop, stats[t])) for t in WEIGHTS]
+        loop = asyncio.get_running_loop()
+        load = lambda: loop.run_in_executor(None, tenant_load, worker_stub)  # noqa: E731
+        # the window opens once both tenants have work queued at the worker
+        deadline = time.monotonic() + 120
+        while True:
+            snap = await load()
+            if all(t in snap and snap[t].waiting > 0 for t in WEIGHTS):
+                break
+            for task in loops:
+                if task.done():
+                    task.result()
+            assert time.monotonic() < deadline, f"tenants never both backlogged: {snap}"
+            await asyncio.sleep(0.2)
+        start, t_start = snap, time.monotonic()
+        while time.monotonic() - t_start < FAIR_WINDOW_S:
+            await asyncio.sleep(1.0)
+            snap = await load()
+            samples.append({t: (snap[t].waiting, snap[t].running) for t in WEIGHTS})
+            for task in loops:
+                if task.done():
+                    task.result()  # a failed request fails the test now
+        end, t_end = snap, time.monotonic()
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*loops), 300)  # every outstanding request completes
+        result.update(start=start, end=end, window=t_end - t_start)
+
+    asyncio.run(run())
+
+    start, end = result["start"], result["end"]
+    service = {t: end[t].charged_service - start[t].charged_service for t in WEIGHTS}
+    tokens = {t: end[t].output_tokens - start[t].output_tokens for t in WEIGHTS}
+    ratio = service["globex"] / service["acme"]
+    backlogged = {t: sum(1 for s in samples if s[t][0] > 0) / len(samples) for t in WEIGHTS}
+    print(f"\n[e2e] fairness window {result['window']:.1f} s: charged service {service}, output tokens {tokens}, "
+          f"globex/acme = {ratio:.3f} (target 3.0 ± 15%), share of samples with work queued {backlogged}, "
+          f"requests {stats}")
+    for t in WEIGHTS:
+        assert all(s[t][0] + s[t][1] > 0 for s in samples), f"{t} ran out of work during the window"
+        assert stats[t]["completed"] == stats[t]["started"], stats
+        assert stats[t]["completed"] >= FAIR_STREAMS
+    assert 3.0 * 0.85 <= ratio <= 3.0 * 1.15, (ratio, service)
