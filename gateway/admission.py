@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from fairshare.config import TenantConfig
 
@@ -155,7 +156,7 @@ def _lim(v: int | None) -> int:
 class Admission:
     """Per-tenant admission in Redis (see module docstring). Raises redis exceptions when Redis fails."""
 
-    def __init__(self, redis: Redis, prefix: str = "fairshare", lease_ttl_s: float = 15.0) -> None:
+    def __init__(self, redis: Redis | RedisCluster, prefix: str = "fairshare", lease_ttl_s: float = 15.0) -> None:
         self.redis = redis
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
@@ -223,6 +224,10 @@ class Admission:
         if not live:
             return 0
         ttl_ms = int(self.lease_ttl_s * 1000)
+        if not isinstance(self.redis, Redis):  # Redis Cluster: one call per lease, each to its slot's node
+            res = await asyncio.gather(*(self._renew(keys=self.keys(le.tenant_id)[2:], args=[ttl_ms, le.lease_id])
+                                         for le in live))
+            return sum(int(r) for r in res)
         async with self.redis.pipeline(transaction=False) as pipe:
             for le in live:
                 k = self.keys(le.tenant_id)

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from fairshare.config import TenantConfig, Tier
@@ -56,7 +57,7 @@ class Gateway:
 
     settings: GatewaySettings
     directory: TenantDirectory
-    redis: Redis
+    redis: Redis | RedisCluster
     admission: Admission
     keeper: LeaseKeeper
     pool: WorkerPool
@@ -276,8 +277,11 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        redis = Redis.from_url(settings.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0,
-                               health_check_interval=30)
+        if settings.redis_cluster:
+            redis = RedisCluster.from_url(settings.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        else:
+            redis = Redis.from_url(settings.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0,
+                                   health_check_interval=30)
         admission = Admission(redis, prefix=settings.key_prefix, lease_ttl_s=settings.lease_ttl_s)
         try:
             await admission.load()
@@ -390,7 +394,8 @@ async def _serve(gw: Gateway, request: Request, kind: str):
         m.latency.labels(tenant.id, endpoint).observe(time.perf_counter() - t0)
         return JSONResponse(body_or_stream, headers=session.headers())
     m.requests.labels(tenant.id, endpoint, "200").inc()
-    return SSEResponse(body_or_stream, on_disconnect=session.on_client_gone, headers=session.headers())
+    return SSEResponse(body_or_stream, on_disconnect=session.on_client_gone, on_close=session.settle,
+                       headers=session.headers())
 
 
 async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: Principal, t0: float):
@@ -602,8 +607,9 @@ async def _collect(session: Session, request: Request, kind: str) -> dict[str, A
     """Run a non-streamed request to the end; cancel it when the client goes away."""
 
     async def consume() -> None:
-        async for job, msg in _merged(session):
-            session.record(job, msg)
+        async with aclosing(_merged(session)) as messages:
+            async for job, msg in messages:
+                session.record(job, msg)
 
     async def watch() -> None:
         while True:
@@ -692,9 +698,10 @@ async def _stream(session: Session, opening: list[bytes], body, usage_event) -> 
         for b in opening:
             yield b
         try:
-            async for job, msg in _merged(session):
-                for b in await body(job, msg):
-                    yield b
+            async with aclosing(_merged(session)) as messages:
+                async for job, msg in messages:
+                    for b in await body(job, msg):
+                        yield b
             _check_finished(session)
         except APIError as e:
             if not session.client_gone:

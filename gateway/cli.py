@@ -7,7 +7,7 @@ Gateway
     fairshare gateway [--host 127.0.0.1] [--port 8000]
                       [--tenants FILE]                  # tenants YAML (see fairshare/config.py)
                       [--workers host:port[,host:port]] # gRPC workers, comma-separated
-                      [--redis-url redis://127.0.0.1:6379/0]
+                      [--redis-url redis://127.0.0.1:6379/0] [--redis-cluster]
                       [--secret-file FILE]              # server secret (alternative: FAIRSHARE_SECRET)
                       [--keys-file FILE]                # default: <tenants stem>.keys.yaml next to FILE
                       [--tokenizer DIR]                 # optional local tokenizer.json (+ chat template);
@@ -16,11 +16,12 @@ Gateway
 
 Every flag has an environment variable read with pydantic-settings (flags win over env):
 ``FAIRSHARE_HOST``, ``FAIRSHARE_PORT``, ``FAIRSHARE_TENANTS_FILE``, ``FAIRSHARE_WORKERS``
-(comma-separated), ``FAIRSHARE_REDIS_URL``, ``FAIRSHARE_SECRET`` (the secret itself),
+(comma-separated), ``FAIRSHARE_REDIS_URL``, ``FAIRSHARE_REDIS_CLUSTER`` (true/false),
+``FAIRSHARE_SECRET`` (the secret itself),
 ``FAIRSHARE_SECRET_FILE``, ``FAIRSHARE_KEYS_FILE``, ``FAIRSHARE_TOKENIZER``,
 ``FAIRSHARE_LEASE_TTL_S``, ``FAIRSHARE_LOG_LEVEL``. The gateway refuses to start without a secret.
-It listens once it has reached at least one worker (``/readyz`` answers 200 when a worker is
-SERVING and Redis answers PING; ``/healthz`` answers 200 while the process runs).
+It listens at once; ``/readyz`` answers 200 once a worker is SERVING (and agrees on the tokenizer)
+and Redis answers PING, 503 before; ``/healthz`` answers 200 while the process runs.
 
 Keys
 ----
@@ -49,8 +50,8 @@ def _settings_from_args(args: argparse.Namespace):
     from .config import GatewaySettings
 
     overrides = {}
-    for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "secret_file", "tokenizer", "lease_ttl_s",
-                 "log_level"):
+    for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "redis_cluster", "secret_file", "tokenizer",
+                 "lease_ttl_s", "log_level"):
         v = getattr(args, name, None)
         if v is not None:
             overrides[name] = v
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keys-file", dest="keys_file", help="API-key digests file (default <tenants stem>.keys.yaml)")
     p.add_argument("--workers", help="gRPC workers, host:port[,host:port]")
     p.add_argument("--redis-url", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")
+    p.add_argument("--redis-cluster", dest="redis_cluster", action="store_true", default=None,
+                   help="the URL names a node of a Redis Cluster")
     p.add_argument("--secret-file", dest="secret_file", help="file holding the server secret "
                    "(or set FAIRSHARE_SECRET)")
     p.add_argument("--tokenizer", help="local directory with tokenizer.json and the chat template "

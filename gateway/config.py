@@ -31,6 +31,7 @@ class GatewaySettings(BaseSettings):
     keys_file: Path | None = None
     workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_cluster: bool = False
     secret: SecretStr | None = None
     secret_file: Path | None = None
     tokenizer: Path | None = None

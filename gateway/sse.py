@@ -1,15 +1,16 @@
 """Server-sent events as OpenAI streams them: ``data: {json}`` lines, then ``data: [DONE]``.
 
 `SSEResponse` is a StreamingResponse that also watches the connection: when the client goes away it
-calls `on_disconnect` at once (which cancels the gRPC streams, so the worker aborts) and always closes
-the body generator, so that its ``finally`` (settlement) runs deterministically.
+calls `on_disconnect` at once (which cancels the gRPC streams, so the worker aborts); at the end it
+always closes the body generator and awaits `on_close` (settlement), even when the client vanished
+before the first byte and the generator never ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -27,17 +28,20 @@ def event(obj: Any) -> bytes:
 class SSEResponse(StreamingResponse):
     """``text/event-stream`` response over an async generator of already-encoded events.
 
-    `on_disconnect` is called (once) when the client disconnects or a write to it fails.
+    `on_disconnect` is called (once) when the client disconnects or a write to it fails; `on_close` is
+    awaited once the response is over, whatever happened.
     """
 
     media_type = "text/event-stream"
 
     def __init__(self, content: AsyncIterator[bytes], *, on_disconnect: Callable[[], None],
+                 on_close: Callable[[], Awaitable[None]] | None = None,
                  headers: Mapping[str, str] | None = None, status_code: int = 200) -> None:
         h = dict(SSE_HEADERS)
         h.update(headers or {})
         super().__init__(content, status_code=status_code, headers=h, media_type=self.media_type)
         self._on_disconnect = on_disconnect
+        self._on_close = on_close
         self._notified = False
 
     def _gone(self) -> None:
@@ -68,5 +72,7 @@ class SSEResponse(StreamingResponse):
                     await aclose()
                 except Exception:  # the generator's own errors were handled inside it
                     pass
+            if self._on_close is not None:
+                await self._on_close()
         if finished and self.background is not None:
             await self.background()

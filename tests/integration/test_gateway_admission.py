@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -188,3 +189,58 @@ def test_invariants_under_random_sequences(redis_url, ops):
         await r.aclose()
 
     asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def redis_cluster_url(tmp_path_factory):
+    """A 3-primary Redis Cluster on loopback ports (redis-server + redis-cli --cluster create)."""
+    import shutil
+    import subprocess
+
+    from fairshare.procs import find_redis_server, free_port, wait_for_port
+
+    cli = shutil.which("redis-cli")
+    server = find_redis_server()
+    assert cli and server, "redis-server and redis-cli are needed"
+    procs, ports = [], []
+    for i in range(3):
+        port = free_port()
+        d = tmp_path_factory.mktemp(f"cluster{i}")
+        procs.append(subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                       "--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(d),
+                                       "--cluster-config-file", str(d / "nodes.conf"), "--loglevel", "warning"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_for_port("127.0.0.1", port, 15, procs[-1])
+        ports.append(port)
+    subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0",
+                    "--cluster-yes"], check=True, capture_output=True, timeout=60)
+    deadline = time.monotonic() + 30
+    while b"cluster_state:ok" not in subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"],
+                                                    capture_output=True).stdout:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    yield f"redis://127.0.0.1:{ports[0]}/0"
+    for p in procs:
+        p.terminate()
+        p.wait(10)
+
+
+async def test_admission_on_redis_cluster(redis_cluster_url):
+    from redis.asyncio.cluster import RedisCluster
+
+    rc = RedisCluster.from_url(redis_cluster_url)
+    a = Admission(rc, lease_ttl_s=5)
+    await a.load()
+    tenants = [tenant(tpm=1000, max_concurrent_requests=2) for _ in range(8)]  # spread over the slots
+    slots = {key_slot(a.keys(t.id)[0].encode()) for t in tenants}
+    assert len(slots) == 8
+    for t in tenants:
+        d1, d2, d3 = [await a.admit(t, 300) for _ in range(3)]
+        assert d1.admitted and d2.admitted and not d3.admitted and d3.reason == "concurrent_requests"
+        assert await a.renew([d1.lease, d2.lease]) == 2
+        await a.settle(d1.lease, 100)
+        await a.settle(d2.lease, 300)
+        assert await a.leases(t.id) == {}
+        tokens, _ = await a.bucket(t.id, "tpm")
+        assert 600 - 1e-6 <= tokens <= 601  # 1000 - 600 reserved + 200 refunded (+ a little refill)
+    await rc.aclose()
