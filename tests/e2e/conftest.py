@@ -4,7 +4,7 @@
 subprocess on free ports with its own state directory, collects what it prints, and waits for the
 banner. Keys are parsed from the banner, as a user copies them.
 
-The session fixture `platform` runs SmolLM2 (the default model) with a tenants file written before
+The module fixture `platform` runs SmolLM2 (the default model) with a tenants file written before
 the start: the two demo tenants exactly as `fairshare up` writes them on a first run, plus
 
 - `tiny`: a small tokens-per-minute limit (429 tests),
@@ -213,7 +213,7 @@ def e2e_tenants() -> dict:
     ]}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def platform(tmp_path_factory):
     """`fairshare up` with SmolLM2 (VTC), demo tenants + test tenants; stopped with Ctrl-C at the end."""
     state = tmp_path_factory.mktemp("fairshare-state")
