@@ -419,23 +419,14 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
             raise unavailable(f"No worker is serving model `{model}` right now.")
         raise model_not_found(model)
 
-    # tokenize
+    # tokenize (large inputs on a thread, so the event loop keeps streaming other requests)
     param = "messages" if kind == "chat" else "prompt"
-    tok = entry.tokenizer
+    size = len(await request.body())  # cached by Starlette
     try:
-        if kind == "chat":
-            prompts = [tok.encode_chat(req.template_messages())]
+        if size > _INLINE_TOKENIZE_BYTES:
+            prompts = await asyncio.to_thread(_tokenize, entry, kind, req)
         else:
-            prompts = []
-            vocab = tok.vocab_size()
-            for p in req.prompts():
-                if isinstance(p, str):
-                    prompts.append(tok.encode_text(p))
-                else:
-                    if any(t >= vocab for t in p):
-                        raise invalid_request(f"Invalid token id in 'prompt': ids must be < {vocab}.", "prompt",
-                                              "invalid_value")
-                    prompts.append(list(p))
+            prompts = _tokenize(entry, kind, req)
     except TemplateError as e:
         raise invalid_request(f"Invalid 'messages': {e}", "messages", "invalid_value") from None
     for p in prompts:
@@ -497,8 +488,8 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     session = Session(gw, principal, entry, model, jobs, lease, decision, rid, "chat" if kind == "chat" else "text", t0)
     gw.live.add(session)
 
-    try:
-        await _start_all(gw, session, req)
+    try:  # until the first token (which may wait in the worker's queue), still watching the client
+        await _unless_client_leaves(session, request, _start_all(gw, session, req))
     except BaseException:
         await session.settle()
         raise
@@ -510,6 +501,27 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     finally:
         await session.settle()
     return session, body
+
+
+_INLINE_TOKENIZE_BYTES = 16 * 1024
+
+
+def _tokenize(entry: ModelEntry, kind: str, req) -> list[list[int]]:
+    """Token ids of each prompt (chat: one). Raises TemplateError, or APIError 400 for bad token ids."""
+    tok = entry.tokenizer
+    if kind == "chat":
+        return [tok.encode_chat(req.template_messages())]
+    prompts = []
+    vocab = tok.vocab_size()
+    for p in req.prompts():
+        if isinstance(p, str):
+            prompts.append(tok.encode_text(p))
+        else:
+            if any(t >= vocab for t in p):
+                raise invalid_request(f"Invalid token id in 'prompt': ids must be < {vocab}.", "prompt",
+                                      "invalid_value")
+            prompts.append(list(p))
+    return prompts
 
 
 def _generate_request(session: Session, job: Job, req) -> pb.GenerateRequest:
@@ -603,22 +615,18 @@ def _check_finished(session: Session) -> None:
             raise unavailable("The worker aborted the request.")
 
 
-async def _collect(session: Session, request: Request, kind: str) -> dict[str, Any]:
-    """Run a non-streamed request to the end; cancel it when the client goes away."""
+async def _wait_disconnect(request: Request) -> None:
+    """Return when the client has disconnected (the request body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
 
-    async def consume() -> None:
-        async with aclosing(_merged(session)) as messages:
-            async for job, msg in messages:
-                session.record(job, msg)
 
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    work = asyncio.ensure_future(consume())
-    watcher = asyncio.ensure_future(watch())
+async def _unless_client_leaves(session: Session, request: Request, coro):
+    """Await `coro`; when the client disconnects first, cancel it and the gRPC streams and raise 499."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:
@@ -626,13 +634,25 @@ async def _collect(session: Session, request: Request, kind: str) -> dict[str, A
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
             raise APIError(499, "Client closed the request.", "invalid_request_error", None, "client_closed_request")
-        err = work.exception()
-        if err is not None:
-            raise _stream_failure(session, err)
+        return work.result()
     finally:
         watcher.cancel()
         if not work.done():
             work.cancel()
+
+
+async def _collect(session: Session, request: Request, kind: str) -> dict[str, Any]:
+    """Run a non-streamed request to the end; cancel it when the client goes away."""
+
+    async def consume() -> None:
+        try:
+            async with aclosing(_merged(session)) as messages:
+                async for job, msg in messages:
+                    session.record(job, msg)
+        except grpc.aio.AioRpcError as e:
+            raise _stream_failure(session, e) from None
+
+    await _unless_client_leaves(session, request, consume())
     _check_finished(session)
     session.finished = True
     created = int(time.time())

@@ -203,8 +203,22 @@ def redis_cluster_url(tmp_path_factory):
     server = find_redis_server()
     assert cli and server, "redis-server and redis-cli are needed"
     procs, ports = [], []
+    def cluster_port() -> int:  # the cluster bus listens on port + 10000: keep both free and valid
+        import socket
+
+        while True:
+            port = free_port()
+            if port + 10000 > 65535 or port in ports:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
+
     for i in range(3):
-        port = free_port()
+        port = cluster_port()
         d = tmp_path_factory.mktemp(f"cluster{i}")
         procs.append(subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                        "--appendonly", "no", "--cluster-enabled", "yes", "--dir", str(d),

@@ -31,11 +31,13 @@ class ProxyWorker(pb_grpc.WorkerServicer):
     ``record`` (forward, remember requests), ``unavailable`` (Generate fails with UNAVAILABLE),
     ``abort`` (Generate ends with FINISH_REASON_ABORT before any token), ``other_template`` (ModelInfo
     sends a different chat template under the original digest), ``other_template_consistent`` (a
-    different template with its matching digest)."""
+    different template with its matching digest), ``slow_start`` (waits 5 s before forwarding, as if
+    queued; records a cancellation)."""
 
     def __init__(self, target: str, mode: str = "record"):
         self.mode = mode
         self.requests: list[pb.GenerateRequest] = []
+        self.cancelled: list[str] = []
         self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 256 << 20)])
         self.stub = pb_grpc.WorkerStub(self.channel)
         self.port = free_port()
@@ -52,6 +54,12 @@ class ProxyWorker(pb_grpc.WorkerServicer):
 
     def Generate(self, request, context):
         self.requests.append(request)
+        if self.mode == "slow_start":  # a long queue before the first token
+            gone = threading.Event()
+            context.add_callback(gone.set)
+            if gone.wait(5.0):
+                self.cancelled.append(request.request_id)
+                return
         if self.mode == "unavailable":
             context.abort(grpc.StatusCode.UNAVAILABLE, "injected failure")
         if self.mode == "abort":
@@ -230,3 +238,21 @@ def test_local_tokenizer_decides_which_workers_agree(gateway_factory, proxies, w
         r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
         assert r.usage.prompt_tokens == len(good.requests[-1].prompt_token_ids)
     assert len(good.requests) == 3 and other.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_before_the_first_token_cancels_and_releases(gateway_factory, proxies, stream):
+    slow = proxies("slow_start")
+    tid = f"early-{int(stream)}"
+    gw = gateway_factory([{"id": tid, "limits": {"max_concurrent_requests": 1}}], workers=[slow.addr])
+    client = gw.client(tid, timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APITimeoutError):
+        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, stream=stream)
+        if stream:
+            list(r)
+    deadline = t0 + 1.5
+    while not (slow.cancelled and gw.leases(tid) == {}):
+        assert time.monotonic() < deadline, (slow.cancelled, gw.leases(tid))
+        time.sleep(0.02)
+    assert slow.cancelled == [slow.requests[0].request_id]

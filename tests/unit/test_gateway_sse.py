@@ -1,0 +1,100 @@
+"""SSEResponse: disconnect notification and settlement in every case, at the ASGI level."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gateway.sse import DONE, SSEResponse, event
+
+SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/"}
+
+
+def make(gen_factory):
+    calls = {"gone": 0, "closed": 0, "gen_finally": 0, "started": 0}
+
+    async def body():
+        calls["started"] += 1
+        try:
+            async for b in gen_factory():
+                yield b
+        finally:
+            calls["gen_finally"] += 1
+
+    async def on_close():
+        calls["closed"] += 1
+
+    def on_gone():
+        calls["gone"] += 1
+
+    return SSEResponse(body(), on_disconnect=on_gone, on_close=on_close, headers={"x-ratelimit-limit-tokens": "7"}), calls
+
+
+async def test_normal_stream_sends_headers_first_and_closes_once():
+    async def gen():
+        yield event({"a": 1})
+        yield DONE
+
+    resp, calls = make(gen)
+    sent = []
+    disconnect = asyncio.Event()
+
+    async def receive():
+        await disconnect.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg)
+
+    await resp(SCOPE, receive, send)
+    assert sent[0]["type"] == "http.response.start"
+    headers = dict(sent[0]["headers"])
+    assert headers[b"content-type"].startswith(b"text/event-stream")
+    assert headers[b"x-ratelimit-limit-tokens"] == b"7"
+    assert b"".join(m.get("body", b"") for m in sent[1:]) == b'data: {"a":1}\n\ndata: [DONE]\n\n'
+    assert calls == {"gone": 0, "closed": 1, "gen_finally": 1, "started": 1}
+
+
+async def test_client_gone_before_first_byte_still_settles():
+    async def gen():
+        yield b"never"
+
+    resp, calls = make(gen)
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        raise OSError("connection reset")
+
+    await resp(SCOPE, receive, send)
+    assert calls["gone"] == 1 and calls["closed"] == 1  # settled although the body never ran
+
+
+async def test_disconnect_mid_stream_notifies_at_once():
+    release = asyncio.Event()
+
+    async def gen():
+        yield event({"n": 1})
+        await release.wait()  # a slow worker: nothing to send for a while
+        yield event({"n": 2})
+
+    resp, calls = make(gen)
+    first_sent = asyncio.Event()
+
+    async def receive():
+        await first_sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg.get("body"):
+            first_sent.set()
+
+    task = asyncio.ensure_future(resp(SCOPE, receive, send))
+    for _ in range(100):
+        if calls["gone"]:
+            break
+        await asyncio.sleep(0.01)
+    assert calls["gone"] == 1  # noticed while the generator was waiting, not at the next write
+    release.set()
+    await asyncio.wait_for(task, 5)
+    assert calls["closed"] == 1 and calls["gen_finally"] == 1
