@@ -1,0 +1,438 @@
+"""The Helm chart helm/fairshare: `helm lint --strict`, `helm template`, and the rendered manifests
+checked with PyYAML (GPU limits, probes, secrets, NetworkPolicy, worker addresses)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from fairshare.config import TenantsFile
+from gateway.auth import TenantDirectory
+
+from .conftest import CHART, DEPLOY, NAMESPACE, ROOT, VALUE_SETS, container, env_of, of_kind, one, selects
+
+GPU_SETS = [k for k in VALUE_SETS if "gpu" in k]
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "Job")
+
+
+def pod_labels(workload: dict) -> dict:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def pod_spec(workload: dict) -> dict:
+    return workload["spec"]["template"]["spec"]
+
+
+# -- lint and template ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_lint_strict(helm, value_set):
+    args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE]
+    for f in VALUE_SETS[value_set]:
+        args += ["-f", str(CHART / f)]
+    res = helm.run(*args)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "0 chart(s) failed" in res.stdout
+    assert "[WARNING]" not in res.stdout and "[ERROR]" not in res.stdout
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_template_renders_every_component(helm, value_set):
+    docs = helm.render(VALUE_SETS[value_set])
+    external = "external-redis" in value_set
+    kinds = {(d["kind"], d["metadata"].get("labels", {}).get("app.kubernetes.io/component")) for d in docs}
+    for expected in [("Deployment", "gateway"), ("Service", "gateway"), ("HorizontalPodAutoscaler", "gateway"),
+                     ("PodDisruptionBudget", "gateway"), ("StatefulSet", "worker"), ("Service", "worker"),
+                     ("ConfigMap", "gateway"), ("Secret", "gateway"), ("NetworkPolicy", "worker")]:
+        assert expected in kinds, f"{expected} missing in {value_set}"
+    assert (("Deployment", "redis") in kinds) is not external
+    assert (("Service", "redis") in kinds) is not external
+    for d in docs:  # every manifest is namespaced by helm and carries the chart's labels
+        assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == "fs"
+        assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "fairshare"
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(names) == len(set(names)), "duplicate resource names"
+
+
+def test_schema_is_json_schema(helm):
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["$schema"].startswith("http://json-schema.org/")
+    assert schema["additionalProperties"] is False
+    tenant = schema["properties"]["tenants"]["items"]
+    assert tenant["additionalProperties"] is False and "api_key_digests" not in tenant["properties"]
+
+
+@pytest.mark.parametrize("values,fragment", [
+    ({"worker": {"engine": "vllm"}}, "/worker/engine"),
+    ({"worker": {"gpu": {"count": 0}}}, "/worker/gpu/count"),
+    ({"tenants": [{"id": "a", "tier": "gold"}]}, "/tenants/0/tier"),
+    ({"tenants": [{"id": "a", "weight": 0}]}, "/tenants/0/weight"),
+    ({"tenants": [{"id": "no spaces"}]}, "/tenants/0/id"),
+    ({"tenants": [{"id": "a", "limits": {"rpm": 0}}]}, "/tenants/0/limits/rpm"),
+    ({"tenants": [{"id": "a", "limits": {"rpd": 5}}]}, "rpd"),
+    ({"tenants": [{"id": "a", "api_key_digests": ["ab" * 32]}]}, "api_key_digests"),
+    ({"gateway": {"logLevel": "loud"}}, "/gateway/logLevel"),
+    ({"redis": {"external": {"url": "http://x"}}}, "/redis/external/url"),
+    ({"unknownKey": 1}, "unknownKey"),
+])
+def test_schema_rejects_bad_values(helm, tmp_path, values, fragment):
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(values))
+    res = helm.template((str(f),))
+    assert res.returncode != 0, f"{values} was accepted"
+    assert fragment in res.stderr, res.stderr
+
+
+def test_tenant_schema_matches_the_gateways(helm, tmp_path):
+    """Tenants the chart accepts are valid for fairshare.config, limits and allowed models included."""
+    tenants = [{"id": "acme.prod_1", "weight": 0.25, "tier": "background",
+                "limits": {"rpm": 1, "tpm": 2, "max_inflight_tokens": 3, "max_concurrent_requests": 4},
+                "allowed_models": ["m1", "m2"]}, {"id": "b"}]
+    f = tmp_path / "tenants.yaml"
+    f.write_text(yaml.safe_dump({"tenants": tenants}))
+    docs = helm.render((str(f),))
+    parsed = TenantsFile.model_validate(yaml.safe_load(one(docs, "ConfigMap")["data"]["tenants.yaml"]))
+    assert parsed == TenantsFile.model_validate({"tenants": tenants})
+
+
+def test_sglang_engine_needs_gpus(helm):
+    res = helm.template(sets=("worker.engine=sglang",))
+    assert res.returncode != 0 and "gpu" in res.stderr.lower()
+
+
+def test_external_redis_needs_an_address(helm):
+    res = helm.template(sets=("redis.enabled=false",))
+    assert res.returncode != 0 and "redis.external" in res.stderr
+
+
+# -- GPU workers -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value_set", GPU_SETS)
+def test_gpu_workers_request_gpus_on_gpu_nodes(helm, value_set):
+    docs = helm.render(VALUE_SETS[value_set])
+    sts = one(docs, "StatefulSet", "worker")
+    spec = pod_spec(sts)
+    worker = container(sts, "worker")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "nvidia.com/gpu" not in worker["resources"].get("requests", {}) or \
+        worker["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert spec["nodeSelector"].get("nvidia.com/gpu.present") == "true"
+    assert any(t.get("key") == "nvidia.com/gpu" and t.get("effect") == "NoSchedule" for t in spec["tolerations"])
+    # SGLang backend, model from the read-only model volume
+    args = worker["args"]
+    assert args[args.index("--engine") + 1] == "sglang"
+    model = args[args.index("--model") + 1]
+    mounts = {m["name"]: m for m in worker["volumeMounts"]}
+    assert mounts["models"]["readOnly"] is True
+    assert model.startswith(mounts["models"]["mountPath"] + "/")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["models"]["persistentVolumeClaim"]["claimName"]
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert worker["image"].startswith("fairshare/worker-gpu:")
+
+
+def test_default_workers_are_cpu_reference_workers(helm):
+    sts = one(helm.render(), "StatefulSet", "worker")
+    worker = container(sts, "worker")
+    assert not any("gpu" in k for k in worker["resources"].get("limits", {}))
+    assert "--engine" not in worker["args"]
+    assert worker["args"][worker["args"].index("--device") + 1] == "cpu"
+    assert worker["image"].startswith("fairshare/worker-cpu:")
+
+
+def test_gpu_count_and_resource_name_are_values(helm):
+    docs = helm.render(("values-gpu.yaml",), ("worker.gpu.count=2", "worker.gpu.resourceName=nvidia.com/mig-3g.40gb"))
+    limits = container(one(docs, "StatefulSet", "worker"), "worker")["resources"]["limits"]
+    assert limits["nvidia.com/mig-3g.40gb"] == 2 and "nvidia.com/gpu" not in limits
+
+
+# -- probes ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_every_container_has_probes(helm, value_set):
+    docs = helm.render(VALUE_SETS[value_set])
+    for w in (d for d in docs if d["kind"] in WORKLOAD_KINDS):
+        for c in pod_spec(w)["containers"]:
+            assert c.get("livenessProbe") and c.get("readinessProbe"), f"{w['metadata']['name']}/{c['name']}"
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_worker_uses_native_grpc_health_probes(helm, value_set):
+    sts = one(helm.render(VALUE_SETS[value_set]), "StatefulSet", "worker")
+    worker = container(sts, "worker")
+    port = worker["args"][worker["args"].index("--port") + 1]
+    grpc_port = {p["name"]: p["containerPort"] for p in worker["ports"]}["grpc"]
+    assert int(port) == grpc_port
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert worker[probe]["grpc"]["port"] == grpc_port, probe
+    assert worker["readinessProbe"]["grpc"]["service"] == "fairshare.v1.Worker"
+    assert worker["livenessProbe"]["grpc"]["service"] == ""
+    # loading a model may take minutes: the startup probe must allow for it
+    sp = worker["startupProbe"]
+    assert sp["periodSeconds"] * sp["failureThreshold"] >= 600
+
+
+def test_gateway_http_probes(helm):
+    gw = container(one(helm.render(), "Deployment", "gateway"), "gateway")
+    assert {p["name"]: p["containerPort"] for p in gw["ports"]}["http"] == 8000
+    assert gw["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert gw["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert gw["startupProbe"]["httpGet"]["path"] == "/healthz"
+
+
+# -- secrets and config ----------------------------------------------------------------------------
+
+SENTINEL_SECRET = "s3cr3t-sentinel-value-0123456789"
+SENTINEL_DIGEST = "5b1d" + "e" * 60
+KEYS_FILE = yaml.safe_dump({"keys": [{"key_id": "key_3f9a1c2b7d4e", "tenant": "acme", "digest": SENTINEL_DIGEST,
+                                      "created": "2026-11-29T22:00:00+00:00"}]})
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_no_secret_material_in_configmaps(helm, value_set, tmp_path):
+    secrets = tmp_path / "secrets.yaml"  # as `--set-file secrets.keysFile=...` would pass it
+    secrets.write_text(yaml.safe_dump({"secrets": {"serverSecret": SENTINEL_SECRET, "keysFile": KEYS_FILE}}))
+    docs = helm.render((*VALUE_SETS[value_set], str(secrets)))
+    secret = one(docs, "Secret")
+    decoded = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert decoded["server-secret"] == SENTINEL_SECRET
+    assert SENTINEL_DIGEST in decoded["tenants.keys.yaml"]
+    if "external-redis" in value_set:
+        assert decoded["redis-url"].startswith("rediss://")
+    cms = of_kind(docs, "ConfigMap")
+    assert cms
+    for cm in cms:
+        text = yaml.safe_dump(cm)
+        assert SENTINEL_SECRET not in text and SENTINEL_DIGEST not in text
+        assert not re.search(r"\b[0-9a-f]{64}\b", text), "a digest-like value in a ConfigMap"
+        assert "sk-fs-" not in text and "digest" not in text and "redis://" not in text and "rediss://" not in text
+    # the tenants file is valid for the gateway and holds no key digests
+    tenants = TenantsFile.model_validate(yaml.safe_load(one(docs, "ConfigMap")["data"]["tenants.yaml"]))
+    assert [t.id for t in tenants.tenants] == ["acme", "globex"]
+    assert all(not t.api_key_digests for t in tenants.tenants)
+    # no workload carries a secret value in plain env
+    for w in (d for d in docs if d["kind"] in WORKLOAD_KINDS):
+        for c in pod_spec(w)["containers"]:
+            for e in c.get("env", []):
+                assert SENTINEL_SECRET not in str(e.get("value", "")), e
+                assert e["name"] != "FAIRSHARE_SECRET" or "valueFrom" in e
+                if "value" in e:
+                    assert not str(e["value"]).startswith("rediss://"), "a Redis URL (may hold a password) in plain env"
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_gateway_reads_tenants_from_configmap_and_keys_from_secret(helm, value_set):
+    docs = helm.render(VALUE_SETS[value_set])
+    dep = one(docs, "Deployment", "gateway")
+    gw = container(dep, "gateway")
+    env = env_of(gw)
+    volumes = {v["name"]: v for v in pod_spec(dep)["volumes"]}
+    mounts = {m["mountPath"]: m for m in gw["volumeMounts"]}
+
+    def source_of(path: str) -> tuple[dict, str]:
+        for mount_path, m in mounts.items():
+            if path.startswith(mount_path.rstrip("/") + "/"):
+                assert "subPath" not in m, "subPath mounts do not receive updates"
+                return volumes[m["name"]], path[len(mount_path.rstrip("/")) + 1:]
+        raise AssertionError(f"{path} is on no mounted volume")
+
+    vol, key = source_of(env["FAIRSHARE_TENANTS_FILE"]["value"])
+    assert vol["configMap"]["name"] == one(docs, "ConfigMap")["metadata"]["name"]
+    assert key in one(docs, "ConfigMap")["data"]
+    secret = one(docs, "Secret")
+    for var in ("FAIRSHARE_KEYS_FILE", "FAIRSHARE_SECRET_FILE"):
+        vol, key = source_of(env[var]["value"])
+        assert vol["secret"]["secretName"] == secret["metadata"]["name"], var
+        assert key in secret["data"], var
+    assert vol["secret"]["defaultMode"] & 0o007 == 0, "secret files readable by others"
+
+
+def test_existing_secret_is_used_instead_of_the_charts(helm):
+    docs = helm.render(sets=("secrets.existingSecret=my-fairshare",))
+    assert not of_kind(docs, "Secret")
+    dep = one(docs, "Deployment", "gateway")
+    assert {v["name"]: v for v in pod_spec(dep)["volumes"]}["secrets"]["secret"]["secretName"] == "my-fairshare"
+
+
+# -- redis -----------------------------------------------------------------------------------------
+
+def test_bundled_redis_url_points_at_the_redis_service(helm):
+    docs = helm.render()
+    svc = one(docs, "Service", "redis")
+    url = env_of(container(one(docs, "Deployment", "gateway"), "gateway"))["FAIRSHARE_REDIS_URL"]["value"]
+    m = re.fullmatch(r"redis://([^:/]+):(\d+)/0", url)
+    assert m and m.group(1) == f"{svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert int(m.group(2)) == svc["spec"]["ports"][0]["port"]
+    assert selects(svc["spec"]["selector"], pod_labels(one(docs, "Deployment", "redis")))
+
+
+@pytest.mark.parametrize("value_set", ["external-redis", "gpu+external-redis"])
+def test_external_redis_url_comes_from_the_secret(helm, value_set):
+    docs = helm.render(VALUE_SETS[value_set])
+    assert not [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "redis"]
+    ref = env_of(container(one(docs, "Deployment", "gateway"), "gateway"))["FAIRSHARE_REDIS_URL"]["valueFrom"]
+    assert ref["secretKeyRef"] == {"name": one(docs, "Secret")["metadata"]["name"], "key": "redis-url"}
+
+
+def test_external_redis_from_an_existing_secret(helm):
+    docs = helm.render(sets=("redis.enabled=false", "redis.external.existingSecret.name=managed-redis"))
+    ref = env_of(container(one(docs, "Deployment", "gateway"), "gateway"))["FAIRSHARE_REDIS_URL"]["valueFrom"]
+    assert ref["secretKeyRef"] == {"name": "managed-redis", "key": "redis-url"}
+    assert "redis-url" not in one(docs, "Secret")["data"]
+
+
+# -- network policy and worker addressing ----------------------------------------------------------
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_network_policy_lets_only_the_gateway_reach_workers(helm, value_set):
+    docs = helm.render(VALUE_SETS[value_set])
+    workers = pod_labels(one(docs, "StatefulSet", "worker"))
+    gateways = pod_labels(one(docs, "Deployment", "gateway"))
+    policies = [p for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"]["matchLabels"], workers)]
+    assert len(policies) == 1
+    np = policies[0]
+    assert not selects(np["spec"]["podSelector"]["matchLabels"], gateways)
+    assert np["spec"]["policyTypes"] == ["Ingress"]
+    grpc_ports = {p["name"]: p["containerPort"] for p in container(one(docs, "StatefulSet", "worker"), "worker")["ports"]}
+    assert np["spec"]["ingress"], "an empty ingress list would deny the gateway too"
+    for rule in np["spec"]["ingress"]:
+        assert rule["from"], "a rule without `from` admits everyone"
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, "no namespaceSelector / ipBlock peers"
+            assert selects(peer["podSelector"]["matchLabels"], gateways)
+            assert not selects(peer["podSelector"]["matchLabels"], workers)
+        assert [p["port"] for p in rule["ports"]] == ["grpc"] and "grpc" in grpc_ports
+    if "external-redis" not in value_set:
+        redis = pod_labels(one(docs, "Deployment", "redis"))
+        rp = [p for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"]["matchLabels"], redis)]
+        assert len(rp) == 1
+        assert all(selects(peer["podSelector"]["matchLabels"], gateways)
+                   for rule in rp[0]["spec"]["ingress"] for peer in rule["from"])
+
+
+def test_network_policy_can_be_disabled(helm):
+    assert not of_kind(helm.render(sets=("networkPolicy.enabled=false",)), "NetworkPolicy")
+
+
+@pytest.mark.parametrize("value_set,sets", [(k, ()) for k in VALUE_SETS] + [("default", ("worker.replicas=3",)),
+                                                                             ("gpu", ("clusterDomain=k8s.example",))])
+def test_gateway_worker_addresses_resolve_to_the_worker_service(helm, value_set, sets):
+    docs = helm.render(VALUE_SETS[value_set], sets)
+    sts = one(docs, "StatefulSet", "worker")
+    svc = one(docs, "Service", "worker")
+    gw = container(one(docs, "Deployment", "gateway"), "gateway")
+    domain = dict(s.split("=", 1) for s in sets).get("clusterDomain", "cluster.local")
+    # the StatefulSet's governing Service is the headless worker Service, which selects its pods
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert selects(svc["spec"]["selector"], pod_labels(sts))
+    assert not selects(svc["spec"]["selector"], pod_labels(one(docs, "Deployment", "gateway")))
+    container_ports = {p["name"]: p["containerPort"] for p in container(sts, "worker")["ports"]}
+    svc_port = svc["spec"]["ports"][0]
+    assert container_ports[svc_port["targetPort"]] == svc_port["port"]
+    # FAIRSHARE_WORKERS: one <pod>.<service>.<namespace>.svc.<domain>:<port> per worker pod
+    addrs = env_of(gw)["FAIRSHARE_WORKERS"]["value"].split(",")
+    replicas = sts["spec"]["replicas"]
+    assert len(addrs) == replicas
+    expected = {f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}.{NAMESPACE}.svc.{domain}:{svc_port['port']}"
+                for i in range(replicas)}
+    assert set(addrs) == expected
+
+
+# -- gateway scaling, disruption, monitoring, security ---------------------------------------------
+
+def test_gateway_hpa_and_pdbs_target_the_right_pods(helm):
+    docs = helm.render()
+    dep = one(docs, "Deployment", "gateway")
+    assert "replicas" not in dep["spec"], "the HPA owns the replica count"
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": dep["metadata"]["name"]}
+    assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    assert container(dep, "gateway")["resources"]["requests"]["cpu"], "CPU utilisation needs a CPU request"
+    assert selects(one(docs, "PodDisruptionBudget", "gateway")["spec"]["selector"]["matchLabels"], pod_labels(dep))
+    assert selects(one(docs, "PodDisruptionBudget", "worker")["spec"]["selector"]["matchLabels"],
+                   pod_labels(one(docs, "StatefulSet", "worker")))
+    fixed = helm.render(sets=("gateway.autoscaling.enabled=false", "gateway.replicas=3"))
+    assert not of_kind(fixed, "HorizontalPodAutoscaler")
+    assert one(fixed, "Deployment", "gateway")["spec"]["replicas"] == 3
+
+
+def test_service_monitor_is_optional_and_scrapes_the_gateway(helm):
+    assert not of_kind(helm.render(), "ServiceMonitor")
+    docs = helm.render(sets=("serviceMonitor.enabled=true", "serviceMonitor.labels.release=prom"))
+    sm = one(docs, "ServiceMonitor")
+    svc = one(docs, "Service", "gateway")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+
+
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_pods_run_as_non_root(helm, value_set):
+    for w in (d for d in helm.render(VALUE_SETS[value_set]) if d["kind"] in WORKLOAD_KINDS):
+        sc = pod_spec(w)["securityContext"]
+        assert sc["runAsNonRoot"] is True and sc["runAsUser"] > 0, w["metadata"]["name"]
+        for c in pod_spec(w)["containers"]:
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_images_follow_the_registry_value(helm):
+    docs = helm.render(sets=("image.registry=ghcr.io/acme/", "gateway.image.tag=1.2.3"))
+    assert container(one(docs, "Deployment", "gateway"), "gateway")["image"] == "ghcr.io/acme/fairshare/gateway:1.2.3"
+    assert container(one(docs, "StatefulSet", "worker"), "worker")["image"] == "ghcr.io/acme/fairshare/worker-cpu:0.1.0"
+
+
+# -- the documented key flow, end to end through the chart ------------------------------------------
+
+def test_keys_created_with_the_cli_authenticate_through_the_rendered_chart(helm, tmp_path):
+    """docs/deploy.md: `fairshare keys create` locally, then `helm install -f tenants.yaml
+    --set-file secrets.serverSecret=... --set-file secrets.keysFile=...`; the gateway, reading the
+    files the pod would mount, accepts the key and maps it to its tenant."""
+    tenants = tmp_path / "tenants.yaml"
+    shutil.copy(DEPLOY / "config" / "tenants.yaml", tenants)
+    secret_file, keys_file = tmp_path / "server-secret", tmp_path / "tenants.keys.yaml"
+    res = subprocess.run([sys.executable, "-m", "fairshare.cli", "keys", "create", "--tenant", "globex",
+                          "--tenants", str(tenants), "--secret-file", str(secret_file), "--keys-file", str(keys_file)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    key = res.stdout.strip()
+    assert key.startswith("sk-fs-")
+
+    args = helm.template_args((str(tenants),)) + ["--set-file", f"secrets.serverSecret={secret_file}",
+                                                   "--set-file", f"secrets.keysFile={keys_file}"]
+    out = helm.run(*args)
+    assert out.returncode == 0, out.stderr
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert key not in out.stdout, "the API key itself must never reach the manifests"
+
+    # lay the mounted files out as the gateway pod sees them
+    dep = one(docs, "Deployment", "gateway")
+    env = env_of(container(dep, "gateway"))
+    pod = tmp_path / "pod"
+    cm = one(docs, "ConfigMap")
+    secret = one(docs, "Secret")
+    files = {env["FAIRSHARE_TENANTS_FILE"]["value"]: cm["data"]["tenants.yaml"].encode()}
+    for var, k in (("FAIRSHARE_SECRET_FILE", "server-secret"), ("FAIRSHARE_KEYS_FILE", "tenants.keys.yaml")):
+        files[env[var]["value"]] = base64.b64decode(secret["data"][k])
+    for path, data in files.items():
+        (pod / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (pod / path.lstrip("/")).write_bytes(data)
+    server_secret = (pod / env["FAIRSHARE_SECRET_FILE"]["value"].lstrip("/")).read_text().strip().encode()
+    directory = TenantDirectory(server_secret, pod / env["FAIRSHARE_TENANTS_FILE"]["value"].lstrip("/"),
+                                pod / env["FAIRSHARE_KEYS_FILE"]["value"].lstrip("/"))
+    principal = directory.authenticate(f"Bearer {key}")
+    assert principal.tenant.id == "globex" and principal.tenant.weight == 3.0
+    assert sorted(directory.tenants()) == ["acme", "globex", "nightly"]
+    with pytest.raises(Exception):
+        directory.authenticate("Bearer sk-fs-not-a-key")
