@@ -417,6 +417,20 @@ def check_ports(args) -> None:
                           f"or pass {flag[name]} N")
 
 
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it lies inside it (shorter to copy), else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _fairshare_exe() -> str:
+    """How to call `fairshare` from this shell: the script next to this Python (e.g. .venv/bin/fairshare)."""
+    script = Path(sys.executable).parent / "fairshare"
+    return _shown(script) if script.exists() else "fairshare"
+
+
 def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tenants: list[str],
                   state: Path) -> None:
     curl_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -433,8 +447,8 @@ def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tena
             out.append(f"   tenant {t:<10} key {k}")
     else:
         out.append(f" tenants: {', '.join(all_tenants) or '(none)'} (their keys were printed when they were created;")
-        out.append(f"          make a new one: fairshare keys create --tenant ID --tenants {state / 'tenants.yaml'}"
-                   f" --secret-file {state / 'secret'})")
+        out.append(f"          a new key: {_fairshare_exe()} keys create --tenant ID --tenants "
+                   f"{_shown(state / 'tenants.yaml')} --secret-file {_shown(state / 'secret')})")
     key_hint = next(iter(new_keys.values()), "$FAIRSHARE_KEY")
     out.append("")
     out.append(" Try it:")
@@ -443,7 +457,7 @@ def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tena
     out.append("     -d '{\"model\": \"" + model + "\", \"messages\": [{\"role\": \"user\", "
                "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 30}'")
     out.append("")
-    out.append(f" state: {state}   logs: {state / 'logs'}")
+    out.append(f" state: {_shown(state)}   logs: {_shown(state / 'logs')}")
     out.append(" Ctrl-C stops everything.")
     out.append("=" * 72)
     print("\n".join(out), flush=True)
