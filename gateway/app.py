@@ -191,8 +191,19 @@ class Session:
 
 # -- helpers --------------------------------------------------------------------------------------
 
-async def _json_body(request: Request) -> dict[str, Any]:
-    raw = await request.body()
+async def _json_body(request: Request, limit: int) -> tuple[dict[str, Any], int]:
+    """The request's JSON object and its size in bytes. Raises APIError 400 (not JSON / not an
+    object) or 413 (over `limit` bytes)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"Request body too large: at most {limit} bytes.", "invalid_request_error", None,
+                       "request_too_large")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise APIError(413, f"Request body too large: at most {limit} bytes.", "invalid_request_error", None,
+                           "request_too_large")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -201,7 +212,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
                               None, "invalid_json") from None
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.", None, "invalid_json")
-    return body
+    return body, len(raw)
 
 
 def _context_error(ctx: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
@@ -401,7 +412,7 @@ async def _serve(gw: Gateway, request: Request, kind: str):
 async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: Principal, t0: float):
     """Validate, tokenize, admit and start. Returns (session, dict body | event iterator)."""
     tenant = principal.tenant
-    body = await _json_body(request)
+    body, size = await _json_body(request, gw.settings.max_body_bytes)
     model_cls = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
     try:
         req = model_cls.model_validate(body)
@@ -412,6 +423,9 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     if n > gw.settings.max_n:
         raise invalid_request(f"Invalid value for 'n': at most {gw.settings.max_n} choices per request.", "n",
                               "invalid_value")
+    if kind == "text" and n * len(req.prompts()) > gw.settings.max_choices:
+        raise invalid_request(f"Too many choices: prompts x n must be at most {gw.settings.max_choices}.", "prompt",
+                              "invalid_value")
     model = req.model
     entry = gw.pool.model(model) if tenant.may_use(model) else None
     if entry is None:
@@ -421,7 +435,6 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
 
     # tokenize (large inputs on a thread, so the event loop keeps streaming other requests)
     param = "messages" if kind == "chat" else "prompt"
-    size = len(await request.body())  # cached by Starlette
     try:
         if size > _INLINE_TOKENIZE_BYTES:
             prompts = await asyncio.to_thread(_tokenize, entry, kind, req)

@@ -153,3 +153,18 @@ def test_redis_down_is_503_not_a_traceback(gateway_factory):
     assert "rate limiter is unavailable" in err["message"]
     ready = httpx.get(gw.base_url + "/readyz")
     assert ready.status_code == 503 and ready.json()["redis"] is False
+
+
+def test_oversized_bodies_and_too_many_choices(gw):
+    h = {"authorization": f"Bearer {gw.keys['api-a']}"}
+    big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]}
+    r = httpx.post(gw.base_url + "/v1/chat/completions", headers=h, json=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(gw.base_url + "/v1/completions", headers=h, timeout=60,
+                   json={"model": MODEL, "prompt": ["a"] * 20, "n": 4, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # a large prompt (tokenized off the event loop) still gets its exact context error
+    r = httpx.post(gw.base_url + "/v1/completions", headers=h, timeout=60,
+                   json={"model": MODEL, "prompt": "word " * 20000, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert gw.leases("api-a") == {}
