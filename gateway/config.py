@@ -49,6 +49,10 @@ class GatewaySettings(BaseSettings):
     @classmethod
     def _split_workers(cls, v):
         if isinstance(v, str):
+            if v.strip().startswith("["):
+                import json
+
+                return json.loads(v)
             return [w.strip() for w in v.split(",") if w.strip()]
         return v
 

@@ -69,6 +69,9 @@ def test_settings_from_env(monkeypatch):
     s = GatewaySettings()
     assert s.workers == ["127.0.0.1:1", "127.0.0.1:2"]
     assert s.secret_bytes() == b"s3cret" and s.lease_ttl_s == 7.5
+    monkeypatch.setenv("FAIRSHARE_WORKERS", '["h:1", "h:2"]')
+    assert GatewaySettings().workers == ["h:1", "h:2"]
+    assert GatewaySettings(workers="a:1,b:2").workers == ["a:1", "b:2"]
 
 
 def test_settings_without_secret_refuse(monkeypatch):
