@@ -4,7 +4,6 @@ the real gateway, a real worker (random tiny model) and Redis, through the offic
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import grpc
@@ -250,8 +249,7 @@ def full_budget_request(gw, tenant: str):
     client = gw.client(tenant)
     prompt_tokens = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).usage.prompt_tokens
     return client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2040 - prompt_tokens,
-                                          temperature=0, stop=None, extra_body={"ignore_eos": False}, timeout=120,
-                                          stream=True)
+                                          temperature=0, timeout=120, stream=True)
 
 
 def test_case_oa7_stream_disconnect_stops_generation(gw, worker_addr):
