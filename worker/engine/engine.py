@@ -9,6 +9,13 @@ thread, e.g. `loop.call_soon_threadsafe`).
 Charging (DESIGN.md, "Service unit"): the scheduler charges each prefill chunk when it is
 scheduled into the step that computes it; this loop charges each decode token when it is
 committed. A request that is aborted or fails keeps what it consumed.
+
+Pluggable for the simulator (worker/sim): `clock` (seconds; default `time.monotonic`) is read for
+every timestamp, so a virtual clock makes runs deterministic; a runner whose `returns_token_ids`
+is true returns one token id per item instead of logits (no torch sampling, no tokenizer needed:
+a model whose `tokenizer` is None gets no detokenizer and empty text); `recorder` (e.g.
+`worker.scheduling.metrics.EventLog`) hears arrivals, admissions, tokens, ends and per-iteration
+service, from which the fairness metrics are computed.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.detokenizer import IncrementalDetokenizer, stop_string_holdback
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
-from worker.scheduling.cost import LinearCost
+from worker.scheduling.cost import make_cost
 from worker.scheduling.policy import make_policy
 
 log = logging.getLogger("fairshare.engine")
@@ -33,8 +40,11 @@ log = logging.getLogger("fairshare.engine")
 class EngineConfig:
     """Engine settings. Token counts in tokens, memory in MiB.
 
-    policy: `vtc` or `fcfs`. alpha / beta / cached_rate: the service cost (see LinearCost).
-    max_num_batched_tokens: token budget per iteration = prefill chunk size. max_running: most
+    policy: `vtc`, `vtc-pred`, `drr` or `fcfs`. cost: `linear` (alpha, beta, cached_rate: see
+    LinearCost) or `profiled` (profile = (a, b, c, d, e), see ProfiledCost). drr_quantum: DRR
+    quantum, service units. max_num_batched_tokens: token budget per iteration = prefill chunk
+    size. prefill_slice: tokens per policy pick when the prefill budget is split among tenants.
+    max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
     admitted sequences. block_size: tokens per KV block. num_kv_blocks: pool size (None: from
     kv_cache_mb). max_model_len: context limit (None: the model's).
     """
@@ -43,7 +53,12 @@ class EngineConfig:
     alpha: float = 1.0
     beta: float = 2.0
     cached_rate: float = 0.0
+    cost: str = "linear"
+    profile: tuple[float, float, float, float, float] | None = None
+    drr_quantum: float = 512.0
     max_num_batched_tokens: int = 512
+    prefill_slice: int = 16
+    max_skips: int = 8
     max_running: int = 64
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -80,12 +95,17 @@ OutputCallback = Callable[[RequestOutput], None]
 class Engine:
     """Continuous-batching engine over one model runner.
 
-    model: a `worker.models.LoadedModel` (tokenizer, eos ids, context length).
-    runner: object with `forward(items) -> logits[n, vocab]`, `block_size` and `num_kv_blocks`
-    (default: a `ModelRunner` built from `model` and `config`).
+    model: a `worker.models.LoadedModel` (tokenizer, eos ids, context length), or any object with
+    `tokenizer` (None: no text), `eos_token_ids` and `max_context_tokens`.
+    runner: object with `forward(items) -> logits[n, vocab]`, `block_size`, `num_kv_blocks` and
+    `vocab_size` (default: a `ModelRunner` built from `model` and `config`); with
+    `returns_token_ids = True`, `forward` returns one token id per item, and `item_class`, when
+    present, replaces `ForwardItem`.
+    clock: () -> seconds (default time.monotonic). recorder: event sink (see module docstring).
+    Raises ValueError for an unknown policy or cost function.
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, runner=None) -> None:
+    def __init__(self, model, config: EngineConfig | None = None, runner=None, *, clock=None, recorder=None) -> None:
         self.model = model
         self.config = config or EngineConfig()
         if runner is None:
@@ -98,11 +118,18 @@ class Engine:
             runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=self.config.block_size,
                                  device=self.config.device)
         self.runner = runner
+        self.clock = clock or time.monotonic
+        self.recorder = recorder
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size)
-        self.policy = make_policy(self.config.policy)
-        self.cost = LinearCost(self.config.alpha, self.config.beta, self.config.cached_rate)
-        self.scheduler = Scheduler(self.policy, self.cost, self.block_manager,
-                                   self.config.max_num_batched_tokens, self.config.max_running)
+        cfg = self.config
+        self.cost = make_cost(cfg.cost, alpha=cfg.alpha, beta=cfg.beta, cached_rate=cfg.cached_rate, profile=cfg.profile)
+        options = {"quantum": cfg.drr_quantum} if cfg.policy == "drr" else {}
+        self.policy = make_policy(cfg.policy, self.cost, **options)
+        self.scheduler = Scheduler(self.policy, self.cost, self.block_manager, cfg.max_num_batched_tokens,
+                                   cfg.max_running, prefill_slice=cfg.prefill_slice, max_skips=cfg.max_skips,
+                                   clock=self.clock)
+        self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
+        self._item_class = getattr(runner, "item_class", None)
         pool_tokens = runner.num_kv_blocks * runner.block_size
         self.max_model_len = min(self.config.max_model_len or model.max_context_tokens, pool_tokens)
         self.eos_token_ids = set(model.eos_token_ids)
@@ -118,9 +145,10 @@ class Engine:
     # ---- thread-safe entry points -------------------------------------------------------------
     def add_request(self, request_id: str, tenant_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     on_output: OutputCallback, weight: float = 1.0, tier: str = "interactive",
-                    cache_namespace: str = "") -> None:
-        """Queue a request. Raises ValueError when it can never run (empty or too long prompt,
-        bad sampling values, token ids outside the vocabulary, duplicate id)."""
+                    cache_namespace: str = "", arrival_time: float | None = None) -> None:
+        """Queue a request. arrival_time: when it arrived, on the engine's clock (default: now).
+        Raises ValueError when it can never run (empty or too long prompt, bad sampling values,
+        token ids outside the vocabulary, duplicate id)."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.runner.vocab_size
@@ -136,7 +164,7 @@ class Engine:
         max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         seq = Sequence(request_id=request_id, tenant_id=tenant_id, prompt_token_ids=list(prompt_token_ids),
                        sampling=sampling, weight=weight, tier=tier, cache_namespace=cache_namespace,
-                       max_tokens=max_tokens)
+                       max_tokens=max_tokens, arrival_time=self.clock() if arrival_time is None else arrival_time)
         with self._lock:
             if request_id in self._callbacks:
                 raise ValueError(f"duplicate request id {request_id!r}")
@@ -189,83 +217,127 @@ class Engine:
             if kind == "add":
                 self._prepare(item)
                 self.scheduler.add(item)
+                if self.recorder is not None:
+                    self.recorder.on_arrival(item.request_id, item.tenant_id, item.weight, item.arrival_time,
+                                             len(item.prompt_token_ids), item.max_tokens)
             else:
                 seq = self.scheduler.by_id.get(item)
                 if seq is not None:
                     self._finish(seq, FinishReason.ABORT)
 
     def _prepare(self, seq: Sequence) -> None:
-        from worker.engine.sampler import make_generator
+        if self.model.tokenizer is not None:
+            skip = self.eos_token_ids | set(seq.sampling.stop_token_ids)
+            seq.detokenizer = IncrementalDetokenizer(self.model.tokenizer, seq.prompt_token_ids, skip)
+        if not self._returns_token_ids:
+            from worker.engine.sampler import make_generator
 
-        skip = self.eos_token_ids | set(seq.sampling.stop_token_ids)
-        seq.detokenizer = IncrementalDetokenizer(self.model.tokenizer, seq.prompt_token_ids, skip)
-        seq.generator = make_generator(seq.sampling.seed)
+            seq.generator = make_generator(seq.sampling.seed)
 
     def step(self) -> bool:
         """Run one iteration. Returns False when there was nothing to do."""
-        from worker.engine.model_runner import ForwardItem
+        item_class = self._item_class
+        if item_class is None:
+            from worker.engine.model_runner import ForwardItem as item_class
 
         with self._state_lock:
             self._drain_inbox()
+            started = self.clock()
             chunks = self.scheduler.schedule()
             if not chunks:
                 return False
             items = []
             for c in chunks:
                 start = c.seq.num_computed_tokens
-                items.append(ForwardItem(c.seq.all_token_ids[start:start + c.num_tokens], start,
-                                         list(c.seq.block_table)))
+                items.append(item_class(_token_slice(c.seq, start, c.num_tokens), start, list(c.seq.block_table)))
         try:
             logits = self.runner.forward(items)
         except Exception as exc:
             log.exception("model forward failed; failing %d requests", len(chunks))
             with self._state_lock:
+                if self.recorder is not None:  # failed requests keep what they consumed: record it
+                    service: dict[str, float] = {}
+                    prefill: dict[str, int] = {}
+                    for c in chunks:
+                        if c.prefill_units:
+                            service[c.seq.tenant_id] = service.get(c.seq.tenant_id, 0.0) + c.prefill_units
+                            prefill[c.seq.tenant_id] = prefill.get(c.seq.tenant_id, 0) + c.prefill_tokens
+                            self.recorder.on_prefill_charge(c.seq.request_id, c.prefill_units)
+                    self.recorder.on_step(started, self.clock(), service, prefill, {})
                 for c in chunks:
                     self._finish(c.seq, FinishReason.ABORT, error=f"model forward failed: {exc}")
             return True
         with self._state_lock:
-            self._commit_step(chunks, logits)
+            self._commit_step(chunks, logits, started)
         return True
 
-    def _commit_step(self, chunks, logits) -> None:
-        from worker.engine.sampler import sample
-
+    def _commit_step(self, chunks, logits, started: float) -> None:
         rows, seqs = [], []
         for i, c in enumerate(chunks):
             c.seq.num_computed_tokens += c.num_tokens
             if c.seq.num_computed_tokens == c.seq.num_tokens:
                 rows.append(i)
                 seqs.append(c.seq)
+        now = self.clock()
+        rec = self.recorder
+        service: dict[str, float] = {}
+        prefill: dict[str, int] = {}
+        outputs: dict[str, int] = {}
+        if rec is not None:
+            for c in chunks:
+                seq = c.seq
+                if seq.first_scheduled_time is not None:
+                    rec.on_admit(seq.request_id, seq.first_scheduled_time)
+                if c.prefill_units:
+                    t = seq.tenant_id
+                    service[t] = service.get(t, 0.0) + c.prefill_units
+                    prefill[t] = prefill.get(t, 0) + c.prefill_tokens
+                    rec.on_prefill_charge(seq.request_id, c.prefill_units)
         if seqs:
-            tokens = sample(logits[rows], [s.sampling for s in seqs], [s.generator for s in seqs])
-            now = time.monotonic()
-            for seq, tok in zip(seqs, tokens):
-                self._commit(seq, tok, now)
+            if self._returns_token_ids:
+                tokens = [logits[i] for i in rows]
+            else:
+                from worker.engine.sampler import sample
 
-    def _commit(self, seq: Sequence, token: int, now: float) -> None:
-        """Commit one sampled token: charge it, detokenize, check stop conditions, emit."""
+                tokens = sample(logits[rows], [s.sampling for s in seqs], [s.generator for s in seqs])
+            for seq, tok in zip(seqs, tokens):
+                units = self._commit(seq, tok, now)
+                if rec is not None:
+                    t = seq.tenant_id
+                    service[t] = service.get(t, 0.0) + units
+                    outputs[t] = outputs.get(t, 0) + 1
+        if rec is not None:
+            rec.on_step(started, now, service, prefill, outputs)
+
+    def _commit(self, seq: Sequence, token: int, now: float) -> float:
+        """Commit one sampled token: charge it, detokenize, check stop conditions, emit.
+        Returns the service units charged for it."""
+        units = self.cost.decode(1, len(seq.prompt_token_ids), len(seq.output_token_ids))
         seq.output_token_ids.append(token)
-        self.policy.charge(seq.tenant_id, self.cost.decode(1), output_tokens=1)
+        self.policy.charge(seq.tenant_id, units, output_tokens=1, request_id=seq.request_id)
+        if self.recorder is not None:
+            self.recorder.on_token(seq.request_id, now, units)
         if seq.first_token_time is None:
             seq.first_token_time = now
         reason = None
         params = seq.sampling
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
             reason = FinishReason.STOP
-        else:
+        elif seq.detokenizer is not None:
             seq.output_text += seq.detokenizer.add(token)
             if params.stop:
                 reason = self._apply_stop_strings(seq)
         if reason is None and (len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None:
-            if reason is FinishReason.LENGTH:
+            if reason is FinishReason.LENGTH and seq.detokenizer is not None:
                 seq.output_text += seq.detokenizer.flush()
                 if params.stop:
                     reason = self._apply_stop_strings(seq) or reason
             self._finish(seq, reason)
         else:
             self._emit(seq, final=False)
+        return units
 
     def _apply_stop_strings(self, seq: Sequence) -> FinishReason | None:
         """Cut `output_text` at the first stop string; return STOP when one was found."""
@@ -306,6 +378,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
+        if self.recorder is not None:
+            self.recorder.on_finish(seq.request_id, seq.finish_time, reason.value)
         self._emit(seq, final=True, error=error)
 
     # ---- introspection --------------------------------------------------------------------------
@@ -335,3 +409,14 @@ class Engine:
             "kv_block_size": self.block_manager.block_size, "tenants": tenants, "policy": self.policy.name,
             "iterations": self.scheduler.stats.iterations, "inflight_tokens": inflight,
         }
+
+
+def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:
+    """`seq.all_token_ids[start:start + n]` without building the whole list."""
+    prompt = seq.prompt_token_ids
+    p = len(prompt)
+    if start + n <= p:
+        return prompt[start:start + n]
+    if start >= p:
+        return seq.output_token_ids[start - p:start - p + n]
+    return prompt[start:] + seq.output_token_ids[:start + n - p]

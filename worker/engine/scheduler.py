@@ -2,18 +2,32 @@
 
 Continuous batching (Orca, Yu et al., OSDI 2022) with chunked prefill (Sarathi, Agrawal et al.,
 2023): every iteration computes at most `max_num_batched_tokens` tokens (the prefill chunk,
-default 512). Running sequences in decode take one token each first; the rest of the budget goes to
-prefill chunks, handed out tenant by tenant in the order the fairness policy gives (VTC: smallest
-virtual counter first), re-asking the policy after every chunk because the charge moves counters.
+default 512). Running sequences in decode take one token each first. The rest of the budget is
+*split* among the tenants with pending prefill: it is handed out in slices of `prefill_slice`
+tokens (default 16, one KV block), each slice to the tenant the fairness policy picks, and each
+slice is charged at once, so the policy's counters move between picks. Under VTC this is
+water-filling on the virtual counters: tenants at equal counters share an iteration's prefill in
+proportion to their weights, a tenant behind catches up first, and a tenant with prompts many
+times longer than the chunk cannot take every chunk (case SC2). Under FCFS the earliest head takes
+the budget. Slices that land on the same sequence in one iteration form one chunk.
 
-A waiting request is admitted only when its whole remaining prefill fits in free KV blocks; a
-tenant whose head request does not fit (or meets the running-slot limit) is skipped for this
-iteration instead of blocking everyone. When decodes cannot get a block, the most
-recently admitted running sequence is preempted by recompute (its blocks freed, it re-enters the
-front of its tenant's queue, ahead of that tenant's newer work).
+Admission: a waiting request is admitted only when its whole remaining prefill fits in the free
+KV blocks it may use (`EligibilityGate`): a tenant whose head does not fit (or meets the
+running-slot limit) is passed over for this iteration instead of blocking everyone. An iteration
+counts as a *skip* for it when another tenant's request is admitted while its head did not fit
+(memory being full for everyone is no skip); after `max_skips` skipped iterations memory is
+reserved for that head. When decodes cannot get a block,
+the most recently admitted running sequence is preempted by recompute (its blocks freed, it
+re-enters the front of its tenant's queue, ahead of that tenant's newer work).
 
-Prefill charges are made here, when the chunk is scheduled into the step that computes it; decode
-charges are made by the engine when a token is committed.
+Backlogged (for the policy's lifting rule): a tenant is backlogged while it has queued requests or
+prefill left; once all its requests are past prefill it is idle even if they are still decoding
+(VTC, Sheng et al. OSDI 2024 Algorithm 2: a client leaves the queue when its requests are admitted),
+so credit for a stretch without queued work is never banked.
+
+Charges: prefill slices are charged here, when scheduled into the step that computes them, for
+prompt positions never charged before (recompute after preemption is not charged twice); output
+tokens are charged by the engine when committed.
 """
 
 from __future__ import annotations
@@ -21,19 +35,27 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
-from worker.scheduling.cost import LinearCost
+from worker.scheduling.cost import CostFunction
+from worker.scheduling.eligibility import EligibilityGate
 from worker.scheduling.policy import SchedulingPolicy
 
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `seq`, starting at position `seq.num_computed_tokens`."""
+    """`num_tokens` tokens of `seq`, starting at position `seq.num_computed_tokens`.
+
+    prefill_units / prefill_tokens: service units and prompt tokens charged for this chunk when it
+    was scheduled (0 for decodes and for recomputed positions).
+    """
 
     seq: Sequence
     num_tokens: int
+    prefill_units: float = 0.0
+    prefill_tokens: int = 0
 
 
 @dataclass
@@ -46,18 +68,25 @@ class Scheduler:
     """Per-tenant waiting queues, the running set and the per-iteration token budget.
 
     max_num_batched_tokens: token budget per iteration (= prefill chunk size), tokens.
-    max_running: most sequences admitted at once.
+    max_running: most sequences admitted at once. prefill_slice: tokens per policy pick when the
+    prefill budget is split (>= 1). max_skips: memory skips before a reservation (see
+    `EligibilityGate`). clock: seconds, monotonic (the simulator passes a virtual clock).
+    Raises ValueError on non-positive sizes.
     """
 
-    def __init__(self, policy: SchedulingPolicy, cost: LinearCost, block_manager: BlockManager,
-                 max_num_batched_tokens: int = 512, max_running: int = 64) -> None:
-        if max_num_batched_tokens < 1 or max_running < 1:
-            raise ValueError("max_num_batched_tokens and max_running must be >= 1")
+    def __init__(self, policy: SchedulingPolicy, cost: CostFunction, block_manager: BlockManager,
+                 max_num_batched_tokens: int = 512, max_running: int = 64, *, prefill_slice: int = 16,
+                 max_skips: int = 8, clock: Callable[[], float] = time.monotonic) -> None:
+        if max_num_batched_tokens < 1 or max_running < 1 or prefill_slice < 1:
+            raise ValueError("max_num_batched_tokens, max_running and prefill_slice must be >= 1")
         self.policy = policy
         self.cost = cost
         self.blocks = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_running = max_running
+        self.prefill_slice = prefill_slice
+        self.gate = EligibilityGate(max_skips)
+        self.clock = clock
         self.waiting: dict[str, deque[Sequence]] = {}
         self.running: list[Sequence] = []          # in admission order
         self.by_id: dict[str, Sequence] = {}
@@ -65,6 +94,7 @@ class Scheduler:
         self.preemptions_by_tenant: dict[str, int] = {}
         self.finished_by_tenant: dict[str, int] = {}
         self._admit_counter = 0
+        self._unfit: dict[str, tuple[str, int]] = {}
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -82,25 +112,33 @@ class Scheduler:
         return sum(len(q) for q in self.waiting.values())
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Mark `seq` finished (any reason, abort included), free its KV blocks at once."""
+        """Mark `seq` finished (any reason, abort included), free its KV blocks at once. What it
+        consumed stays charged."""
         if seq.is_finished:
             return
+        was_waiting = seq.status is SequenceStatus.WAITING
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        seq.finish_time = time.monotonic()
+        seq.finish_time = self.clock()
         self.blocks.free(seq)
         if seq in self.running:
             self.running.remove(seq)
         queue = self.waiting.get(seq.tenant_id)
         if queue is not None and seq in queue:
             queue.remove(seq)
+        if was_waiting:
+            self.gate.on_drop(seq.tenant_id, seq.request_id)
         self.by_id.pop(seq.request_id, None)
         self.finished_by_tenant[seq.tenant_id] = self.finished_by_tenant.get(seq.tenant_id, 0) + 1
-        if not self._tenant_has_work(seq.tenant_id):
+        self.policy.on_request_finish(seq.tenant_id, seq.request_id, len(seq.prompt_token_ids),
+                                      len(seq.output_token_ids))
+        if not self._tenant_has_pending(seq.tenant_id):
             self.policy.on_idle(seq.tenant_id)
 
-    def _tenant_has_work(self, tenant_id: str) -> bool:
-        return bool(self.waiting.get(tenant_id)) or any(s.tenant_id == tenant_id for s in self.running)
+    def _tenant_has_pending(self, tenant_id: str) -> bool:
+        """Queued requests or prefill left (what makes a tenant backlogged for the policy)."""
+        return bool(self.waiting.get(tenant_id)) or any(
+            s.tenant_id == tenant_id and s.num_uncomputed > 1 for s in self.running)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front of its tenant's queue."""
@@ -112,18 +150,30 @@ class Scheduler:
         self.stats.preemptions += 1
         self.preemptions_by_tenant[seq.tenant_id] = self.preemptions_by_tenant.get(seq.tenant_id, 0) + 1
         self.waiting.setdefault(seq.tenant_id, deque()).appendleft(seq)
+        self.policy.on_arrival(seq.tenant_id, seq.weight, seq.tier)  # backlogged again (lifted if it was not)
+
+    def prefill_backlog(self) -> dict[str, int]:
+        """Per tenant with pending prefill: prompt-side tokens not computed yet (waiting requests
+        and running partial prefills), tokens."""
+        out: dict[str, int] = {}
+        for seq in self.running:
+            if seq.num_uncomputed > 1:
+                out[seq.tenant_id] = out.get(seq.tenant_id, 0) + seq.num_uncomputed
+        for tenant, queue in self.waiting.items():
+            for seq in queue:
+                out[tenant] = out.get(tenant, 0) + seq.num_uncomputed
+        return out
 
     # ---- one iteration --------------------------------------------------------------------------
     def schedule(self) -> list[ScheduledChunk]:
-        """Pick this iteration's work: decodes first, then prefill chunks in policy order.
+        """Pick this iteration's work: decodes first, then the prefill budget split by the policy.
 
-        Returns chunks whose token counts sum to at most `max_num_batched_tokens`. Prefill chunks
-        are charged to their tenant here.
+        Returns chunks (decodes first, then prefill chunks in the order they were first given a
+        slice) whose token counts sum to at most `max_num_batched_tokens`. Prefill is charged here.
         """
         self.stats.iterations += 1
         budget = self.max_num_batched_tokens
-        batch: list[ScheduledChunk] = []
-        scheduled: set[str] = set()
+        chunks: dict[str, ScheduledChunk] = {}
 
         # 1. Decodes (one token each), oldest admission first; preempt the newest when out of blocks.
         for seq in list(self.running):
@@ -139,74 +189,126 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             self.blocks.allocate(seq, 1)
-            batch.append(ScheduledChunk(seq, 1))
-            scheduled.add(seq.request_id)
+            chunk = chunks[seq.request_id] = ScheduledChunk(seq, 1)
+            self._charge_prefill(chunk, seq.num_computed_tokens, 1)  # a last prompt token, if any
             budget -= 1
 
-        # 2. Prefill chunks, tenant by tenant in policy order.
-        skipped: set[str] = set()
-        while budget > 0:
-            heads = self._prefill_heads(scheduled, skipped)
+        # 2. Prefill, split slice by slice among tenants in policy order.
+        if budget > 0:
+            self._schedule_prefill(budget, chunks)
+        self._mark_idle(chunks)
+        return list(chunks.values())
+
+    def _mark_idle(self, chunks: dict[str, ScheduledChunk]) -> None:
+        """Tell the policy which tenants stopped being backlogged: no queued request and no
+        prefill left beyond this iteration (their running decodes do not count, as in VTC, where
+        a client leaves the queue once its requests are admitted)."""
+        pending = {t for t, q in self.waiting.items() if q}
+        for seq in self.running:
+            c = chunks.get(seq.request_id)
+            if seq.num_uncomputed - (c.num_tokens if c is not None else 0) > 1:
+                pending.add(seq.tenant_id)
+        for acct in self.policy.backlogged():
+            if acct.tenant_id not in pending:
+                self.policy.on_idle(acct.tenant_id)
+
+    def _schedule_prefill(self, budget: int, chunks: dict[str, ScheduledChunk]) -> None:
+        partials: dict[str, deque[Sequence]] = {}
+        for seq in self.running:
+            if seq.request_id not in chunks and seq.num_uncomputed > 1:
+                partials.setdefault(seq.tenant_id, deque()).append(seq)
+        alloc: dict[str, int] = {}  # request id -> tokens given this iteration
+        self._unfit = {}  # tenant -> (head request id, blocks needed) for heads that did not fit
+
+        def next_head(tenant: str) -> Sequence | None:
+            queue = partials.get(tenant)
+            while queue:
+                if queue[0].num_uncomputed - alloc.get(queue[0].request_id, 0) > 0:
+                    return queue[0]
+                queue.popleft()
+            waiting = self.waiting.get(tenant)
+            return waiting[0] if waiting else None
+
+        heads: dict[str, Sequence] = {}
+        for tenant in list(partials) + [t for t, q in self.waiting.items() if q and t not in partials]:
+            head = next_head(tenant)
+            if head is not None:
+                heads[tenant] = head
+        while budget > 0 and heads:
+            for tenant, seq in list(heads.items()):  # the policy only chooses among servable heads
+                if not self._servable(seq, alloc.get(seq.request_id, 0)):
+                    del heads[tenant]
             if not heads:
                 break
-            arrival = {t: s.arrival_time for t, s in heads.items()}
-            progressed = False
-            for tenant in self.policy.order(heads.keys(), arrival):
-                seq = heads[tenant]
-                n = min(seq.num_uncomputed, budget)
-                if seq.status is SequenceStatus.WAITING and len(self.running) >= self.max_running:
-                    skipped.add(tenant)
-                    continue
-                if seq.status is SequenceStatus.WAITING and not self.blocks.can_allocate(seq, seq.num_uncomputed):
-                    # Admit only what can finish its prefill; otherwise skip the tenant this iteration.
-                    skipped.add(tenant)
-                    continue
-                if not self.blocks.can_allocate(seq, n):
-                    # A running partial prefill takes a smaller chunk into what is free, or waits.
-                    room = (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size
-                    n = min(n, room - seq.num_computed_tokens)
-                    if n <= 0:
-                        skipped.add(tenant)
-                        continue
-                self._take_chunk(seq, n)
-                batch.append(ScheduledChunk(seq, n))
-                scheduled.add(seq.request_id)
-                budget -= n
-                progressed = True
-                break
-            if not progressed:
-                break
-        return batch
+            tenant = self.policy.pick(heads.keys(), {t: s.arrival_time for t, s in heads.items()})
+            seq = heads[tenant]
+            if seq.status is SequenceStatus.WAITING:
+                self._admit(seq)
+                partials.setdefault(tenant, deque()).appendleft(seq)
+            have = alloc.get(seq.request_id, 0)
+            # a running partial prefill takes a smaller slice when memory is short
+            n = min(self.prefill_slice, seq.num_uncomputed - have, budget, self._room(seq, have))
+            self.blocks.allocate(seq, have + n)
+            alloc[seq.request_id] = have + n
+            chunk = chunks.get(seq.request_id)
+            if chunk is None:
+                chunk = chunks[seq.request_id] = ScheduledChunk(seq, 0)
+            chunk.num_tokens += n
+            self._charge_prefill(chunk, seq.num_computed_tokens + have, n)
+            budget -= n
+            head = next_head(tenant)
+            if head is None:
+                del heads[tenant]
+            else:
+                heads[tenant] = head
 
-    def _prefill_heads(self, scheduled: set[str], skipped: set[str]) -> dict[str, Sequence]:
-        """Each tenant's next prefill candidate: a running partial prefill, else its queue head."""
-        heads: dict[str, Sequence] = {}
-        for seq in self.running:
-            if seq.request_id in scheduled or seq.num_uncomputed <= 1 or seq.tenant_id in skipped:
-                continue
-            heads.setdefault(seq.tenant_id, seq)
-        for tenant, queue in self.waiting.items():
-            if tenant in heads or tenant in skipped or not queue:
-                continue
-            heads[tenant] = queue[0]
-        return heads
+    def _room(self, seq: Sequence, have: int) -> int:
+        """Tokens `seq` can still get into its blocks and the free pool (beyond `have` given)."""
+        return (len(seq.block_table) + self.blocks.num_free) * self.blocks.block_size - seq.num_computed_tokens - have
 
-    def _take_chunk(self, seq: Sequence, n: int) -> None:
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting[seq.tenant_id].popleft()
-            seq.status = SequenceStatus.RUNNING
-            seq.admitted_order = self._admit_counter
-            self._admit_counter += 1
-            self.running.append(seq)
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-        self.blocks.allocate(seq, n)
-        # Charge only prompt-side tokens not charged before (recompute is not charged twice).
-        end = seq.num_computed_tokens + n
-        new = max(0, end - seq.num_charged_prefill)
-        if new:
-            seq.num_charged_prefill = end
-            self.policy.charge(seq.tenant_id, self.cost.prefill(new), prompt_tokens=new)
+    def _servable(self, seq: Sequence, have: int) -> bool:
+        """Whether `seq` can take a prefill slice now. A waiting head needs a running slot and room
+        for its whole remaining prefill in the blocks it may use (else its tenant is skipped for
+        this iteration, counted by the gate); a running partial prefill needs one free token slot."""
+        if seq.status is not SequenceStatus.WAITING:
+            return self._room(seq, have) > 0
+        if len(self.running) >= self.max_running:
+            return False
+        need = self.blocks.blocks_needed(seq, seq.num_uncomputed)
+        if need > self.gate.available_blocks(seq.tenant_id, seq.request_id, self.blocks.num_free):
+            self._unfit[seq.tenant_id] = (seq.request_id, need)
+            return False
+        return True
+
+    def _admit(self, seq: Sequence) -> None:
+        # Tenants whose head did not fit this iteration are skipped in favour of this admission.
+        for tenant, (request_id, need) in self._unfit.items():
+            if tenant != seq.tenant_id:
+                self.gate.on_skip(tenant, request_id, need, self.stats.iterations)
+        queue = self.waiting[seq.tenant_id]
+        assert queue[0] is seq
+        queue.popleft()
+        seq.status = SequenceStatus.RUNNING
+        seq.admitted_order = self._admit_counter
+        self._admit_counter += 1
+        self.running.append(seq)
+        self.gate.on_admit(seq.tenant_id, seq.request_id)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = self.clock()
+            self.policy.on_admit(seq.tenant_id, seq.request_id, len(seq.prompt_token_ids), seq.max_tokens)
+
+    def _charge_prefill(self, chunk: ScheduledChunk, start: int, n: int) -> None:
+        """Charge the prompt positions in [start, start+n) never charged before."""
+        seq = chunk.seq
+        lo = max(start, seq.num_charged_prefill)
+        hi = min(start + n, len(seq.prompt_token_ids))
+        if hi <= lo:
+            return
+        units = self.cost.prefill(hi - lo, 0, start=lo)
+        seq.num_charged_prefill = hi
+        self.policy.charge(seq.tenant_id, units, prompt_tokens=hi - lo, request_id=seq.request_id)
+        chunk.prefill_units += units
+        chunk.prefill_tokens += hi - lo
 
     def tenant_counts(self) -> dict[str, dict[str, int]]:
         """Per tenant: waiting and running sequences and KV blocks held."""
@@ -218,3 +320,4 @@ class Scheduler:
             c["running"] += 1
             c["kv_blocks"] += len(seq.block_table)
         return out
+

@@ -1,13 +1,21 @@
-"""Service cost: what one unit of GPU work is charged in *service units*.
+"""Service cost: what one unit of GPU work is charged, in *service units*.
 
-Source: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), section 4.1:
-the service a client receives is a weighted count of the tokens processed for it,
-`c = α·P + β·O` with `P` prompt (input) tokens computed and `O` output tokens generated; the paper
-uses α = 1, β = 2 (output tokens cost more because decode is memory-bound).
+Source: Sheng et al., "Fairness in Serving Large Language Models" (OSDI 2024), §4.1 (the service a
+client receives is a cost function of the input and output tokens processed for it) and §5.4/§6
+(a cost function profiled from measured prefill/decode times as an alternative to the linear one).
 
-FairShare charges as work is done: each prefill chunk when it is computed, each decode token when
-it is committed. Prompt tokens served from the prefix cache are charged at `cached_rate · α`
-(default 0: a cache hit costs no compute). Cancelled or failed requests keep what they consumed.
+Two cost functions, both charged *as work is done* (DESIGN.md, "Service unit"):
+
+- `LinearCost`: `c(P, O) = α·P + β·O` service units, `P` prompt tokens computed, `O` output tokens
+  committed (defaults α = 1, β = 2, as in the paper). Prompt tokens served from the prefix cache are
+  charged `cached_rate·α` each.
+- `ProfiledCost`: `h(P, O) = a·P + b·O + c·P·O + d·O² + e` (the paper's profiled quadratic form),
+  charged incrementally so that a request that completes is charged exactly `h(P, O)`: a prefill
+  chunk of `n` tokens costs `a·n` (plus the constant `e` on the request's first chunk), the k-th
+  output token costs `h(P, k) − h(P, k−1) = b + c·P + d·(2k − 1)`.
+
+Each prefill chunk is charged when it is computed and each output token when it is committed, so a
+cancelled or failed request keeps exactly what it consumed.
 """
 
 from __future__ import annotations
@@ -17,18 +25,20 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LinearCost:
-    """Linear service cost `α·P + β·O` (VTC paper, §4.1, eq. for h(n_p, n_q) in its linear form).
+    """Linear service cost `α·P + β·O` (VTC paper §4.1, the linear form of h(n_p, n_q)).
 
     alpha: service units per computed prompt token (> 0).
     beta: service units per committed output token (> 0).
     cached_rate: fraction of `alpha` charged per prompt token taken from the prefix cache, in [0, 1].
 
-    Raises ValueError on negative or zero rates.
+    Raises ValueError on non-positive rates or a cached_rate outside [0, 1].
     """
 
     alpha: float = 1.0
     beta: float = 2.0
     cached_rate: float = 0.0
+
+    name = "linear"
 
     def __post_init__(self) -> None:
         if self.alpha <= 0 or self.beta <= 0:
@@ -36,14 +46,102 @@ class LinearCost:
         if not 0.0 <= self.cached_rate <= 1.0:
             raise ValueError(f"cached_rate must be within [0, 1], got {self.cached_rate}")
 
-    def prefill(self, computed_tokens: int, cached_tokens: int = 0) -> float:
-        """Service units for a prefill chunk: `α·computed + cached_rate·α·cached` (tokens → units)."""
+    def prefill(self, computed_tokens: int, cached_tokens: int = 0, start: int = 0) -> float:
+        """Units for a prefill chunk: `α·computed + cached_rate·α·cached`. `start` (tokens already
+        charged for this request) is accepted for interface parity with `ProfiledCost`."""
         return self.alpha * computed_tokens + self.cached_rate * self.alpha * cached_tokens
 
-    def decode(self, output_tokens: int = 1) -> float:
-        """Service units for committed output tokens: `β·output_tokens`."""
+    def decode(self, output_tokens: int = 1, prompt_tokens: int = 0, prior_output: int = 0) -> float:
+        """Units for `output_tokens` committed output tokens: `β·output_tokens` (the other two
+        arguments are used by `ProfiledCost` only)."""
         return self.beta * output_tokens
+
+    def request(self, prompt_tokens: int, output_tokens: int) -> float:
+        """Units a whole request costs (used for offered demand): `α·P + β·O`."""
+        return self.alpha * prompt_tokens + self.beta * output_tokens
+
+    @property
+    def max_prefill_rate(self) -> float:
+        """Most units one prompt token can cost (α): used by the fairness bound."""
+        return self.alpha
+
+    def max_decode_rate(self, max_context: int) -> float:
+        """Most units one output token can cost (β)."""
+        return self.beta
 
     def describe(self) -> str:
         """One line stating the cost function, printed by every report."""
         return f"linear: c = {self.alpha:g}*P + {self.beta:g}*O (cached prompt tokens at {self.cached_rate:g}*alpha)"
+
+
+@dataclass(frozen=True)
+class ProfiledCost:
+    """Profiled quadratic cost `h(P, O) = a·P + b·O + c·P·O + d·O² + e` in service units
+    (VTC paper, the profiled cost function of its evaluation; the coefficients come from timing
+    prefill and decode on the serving hardware, so one unit ≈ one unit of GPU time).
+
+    The defaults are the paper's published fit (milliseconds on an A10G with Llama-7B), useful as a
+    shape; `fairshare sim calibrate` fits this machine's. cached_rate: fraction of `a` charged per
+    cached prompt token. Raises ValueError on negative coefficients or a non-positive `a` / `b`.
+    """
+
+    a: float = 0.21001891
+    b: float = 0.10075395
+    c: float = 0.0039868
+    d: float = 0.00324733
+    e: float = 1.14601454
+    cached_rate: float = 0.0
+
+    name = "profiled"
+
+    def __post_init__(self) -> None:
+        if self.a <= 0 or self.b <= 0 or min(self.c, self.d, self.e) < 0:
+            raise ValueError("profiled cost needs a, b > 0 and c, d, e >= 0")
+        if not 0.0 <= self.cached_rate <= 1.0:
+            raise ValueError(f"cached_rate must be within [0, 1], got {self.cached_rate}")
+
+    def h(self, prompt_tokens: int, output_tokens: int) -> float:
+        """The cost of a whole request: `h(P, O)`."""
+        p, o = prompt_tokens, output_tokens
+        return self.a * p + self.b * o + self.c * p * o + self.d * o * o + self.e
+
+    def prefill(self, computed_tokens: int, cached_tokens: int = 0, start: int = 0) -> float:
+        """Units for a prefill chunk: `a·computed + cached_rate·a·cached`, plus `e` when the chunk
+        is the request's first (`start == 0`)."""
+        units = self.a * computed_tokens + self.cached_rate * self.a * cached_tokens
+        return units + (self.e if start == 0 and (computed_tokens or cached_tokens) else 0.0)
+
+    def decode(self, output_tokens: int = 1, prompt_tokens: int = 0, prior_output: int = 0) -> float:
+        """Units for output tokens `prior_output+1 … prior_output+output_tokens` of a request with
+        `prompt_tokens` prompt tokens: `h(P, O1) − h(P, O0)`."""
+        o0, o1 = prior_output, prior_output + output_tokens
+        return self.b * output_tokens + self.c * prompt_tokens * output_tokens + self.d * (o1 * o1 - o0 * o0)
+
+    def request(self, prompt_tokens: int, output_tokens: int) -> float:
+        return self.h(prompt_tokens, output_tokens)
+
+    @property
+    def max_prefill_rate(self) -> float:
+        return self.a
+
+    def max_decode_rate(self, max_context: int) -> float:
+        """Most units one output token can cost in a context of `max_context` tokens."""
+        return self.b + (self.c + 2 * self.d) * max_context
+
+    def describe(self) -> str:
+        return (f"profiled: h(P, O) = {self.a:g}*P + {self.b:g}*O + {self.c:g}*P*O + {self.d:g}*O^2 + {self.e:g} "
+                f"(cached prompt tokens at {self.cached_rate:g}*a)")
+
+
+CostFunction = LinearCost | ProfiledCost
+
+
+def make_cost(name: str = "linear", *, alpha: float = 1.0, beta: float = 2.0, cached_rate: float = 0.0,
+              profile: tuple[float, float, float, float, float] | None = None) -> CostFunction:
+    """Build a cost function by name: `linear` (alpha, beta) or `profiled` (profile = (a, b, c, d, e),
+    default the VTC paper's fit). Raises ValueError for an unknown name or bad coefficients."""
+    if name == "linear":
+        return LinearCost(alpha, beta, cached_rate)
+    if name == "profiled":
+        return ProfiledCost(*(profile or ()), cached_rate=cached_rate) if profile else ProfiledCost(cached_rate=cached_rate)
+    raise ValueError(f"unknown cost function {name!r}; choose 'linear' or 'profiled'")

@@ -1,26 +1,39 @@
-"""Fair-scheduling policies: which tenant's work is admitted next.
+"""Fair-scheduling policies: whose work takes the next slice of an iteration's token budget.
 
 Imports neither torch nor grpc; the reference engine, the simulator and the SGLang plugin all use
 these classes.
 
-A policy keeps one `TenantAccount` per tenant and answers one question per scheduling decision:
-`order(candidates)` — the order in which tenants with pending work may take the next slice of the
-iteration's token budget. The engine tells it what happens: `on_arrival` (a request arrives),
-`on_idle` (a tenant has nothing left queued or running), and `charge` (service units consumed).
+A policy keeps one `TenantAccount` per tenant and answers one question, asked repeatedly while the
+scheduler hands out an iteration's prefill budget in small slices: `pick(candidates, arrival)` —
+which of the tenants with admissible prefill work gets the next slice. Because each slice is
+charged at once (`charge`), counters move between picks and the budget is split among tenants
+(water-filling), not handed whole to one of them. The engine tells the policy what happens:
+`on_arrival` (a request arrives), `on_admit` (a request's first chunk is scheduled), `charge`
+(service units consumed: prefill chunks when scheduled, output tokens when committed),
+`on_request_finish` (finished, cancelled or failed) and `on_idle` (nothing queued and no prefill
+left: the scheduler's definition of backlogged; running decodes do not count).
 
-- `VTCPolicy`: weighted Virtual Token Counter (Sheng et al., OSDI 2024, Algorithm 2 with weights,
-  section 4.3). Counter `v_t += Δc / w_t` on every charge; admit from the backlogged tenant with the
-  smallest counter; a tenant becoming backlogged is lifted to the smallest counter among backlogged
-  tenants (no credit for idling), or, with none backlogged, to the last counter value seen.
-  Ties break by tenant id (deterministic: every tensor-parallel rank decides the same way).
-- `FCFSPolicy`: first come, first served across tenants (the baseline); it still keeps counters so
-  that the service each tenant got can be reported the same way.
+- `VTCPolicy`: weighted Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language
+  Models", OSDI 2024: Algorithm 2 in §4.2, weights in §4.3). Counter `v_t += Δc / w_t` on every
+  charge; pick the candidate with the smallest counter; a tenant becoming backlogged is lifted to
+  the smallest counter among backlogged tenants (no credit for idling), or, with none backlogged,
+  to the last counter value seen. Ties break by tenant id (every tensor-parallel rank decides the
+  same way).
+- `VTCPredictPolicy`: VTC with output-length prediction (same paper, §4.4): at admission the
+  counter is charged the *predicted* output cost; as tokens arrive, only tokens beyond the
+  prediction are charged; at the end the unused part of the prediction is refunded. The
+  prediction is a per-tenant exponential moving average of past output lengths.
+- `FCFSPolicy`: first come, first served across tenants (the baseline); counters are still kept so
+  that every policy's service is reported the same way.
+- `DRRPolicy` (worker/scheduling/drr.py): deficit round robin.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable
+
+from worker.scheduling.cost import CostFunction, LinearCost
 
 TIERS = ("interactive", "batch", "background")
 
@@ -29,9 +42,10 @@ TIERS = ("interactive", "batch", "background")
 class TenantAccount:
     """Per-tenant scheduling state.
 
-    weight: share weight (> 0). virtual_counter: weighted service units (Σ Δc / w).
-    charged_service: unweighted service units charged. prompt_tokens / output_tokens: tokens
-    charged. backlogged: whether the tenant has queued or running work right now.
+    weight: share weight (> 0). virtual_counter: weighted service units (Σ Δc / w; for
+    `VTCPredictPolicy` it also holds outstanding predicted charges). charged_service: unweighted
+    service units actually consumed. prompt_tokens / output_tokens: tokens charged. backlogged:
+    whether the tenant has queued work or prefill left right now (set by on_arrival / on_idle).
     """
 
     tenant_id: str
@@ -45,11 +59,15 @@ class TenantAccount:
 
 
 class SchedulingPolicy:
-    """Base class: tenant accounts, charging and backlog tracking shared by all policies."""
+    """Base class: tenant accounts, charging and backlog tracking shared by all policies.
+
+    cost: the service cost function (needed by policies that charge predictions; default linear).
+    """
 
     name = "base"
 
-    def __init__(self) -> None:
+    def __init__(self, cost: CostFunction | None = None) -> None:
+        self.cost = cost or LinearCost()
         self.accounts: dict[str, TenantAccount] = {}
         self._last_counter = 0.0  # counter value of the last tenant to leave the backlogged set
 
@@ -72,9 +90,10 @@ class SchedulingPolicy:
         return acct
 
     def backlogged(self) -> list[TenantAccount]:
-        """Accounts of tenants that currently have queued or running work."""
+        """Accounts of tenants that are backlogged right now."""
         return [a for a in self.accounts.values() if a.backlogged]
 
+    # ---- events from the engine ---------------------------------------------------------------
     def on_arrival(self, tenant_id: str, weight: float = 1.0, tier: str = "interactive") -> None:
         """A request of `tenant_id` arrived. Marks the tenant backlogged (lifting it in VTC)."""
         acct = self.account(tenant_id, weight, tier)
@@ -83,34 +102,59 @@ class SchedulingPolicy:
             acct.backlogged = True
 
     def on_idle(self, tenant_id: str) -> None:
-        """The tenant has no queued or running request left."""
+        """The tenant has nothing queued and no prefill left (decodes may still run)."""
         acct = self.accounts.get(tenant_id)
         if acct is not None and acct.backlogged:
             acct.backlogged = False
             if not self.backlogged():
                 self._last_counter = acct.virtual_counter
 
-    def charge(self, tenant_id: str, units: float, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
-        """Charge `units` service units (already computed by a cost function) to the tenant.
+    def on_admit(self, tenant_id: str, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        """A request's first prefill chunk is being scheduled (once per request). No-op here."""
 
-        Adds `units / weight` to its virtual counter. Raises KeyError for an unknown tenant.
+    def on_request_finish(self, tenant_id: str, request_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        """A request ended (any reason), before `on_idle`. No-op here."""
+
+    def charge(self, tenant_id: str, units: float, prompt_tokens: int = 0, output_tokens: int = 0,
+               request_id: str | None = None) -> None:
+        """Charge `units` service units (already computed by the cost function) to the tenant.
+
+        Adds `units` to its charged service and `units / weight` to its virtual counter (subclasses
+        may change the counter part). Raises KeyError for an unknown tenant.
         """
         acct = self.accounts[tenant_id]
         acct.charged_service += units
-        acct.virtual_counter += units / acct.weight
         acct.prompt_tokens += prompt_tokens
         acct.output_tokens += output_tokens
+        acct.virtual_counter += self._counter_units(acct, units, prompt_tokens, output_tokens, request_id) / acct.weight
+
+    def _counter_units(self, acct: TenantAccount, units: float, prompt_tokens: int, output_tokens: int,
+                       request_id: str | None) -> float:
+        """Units of this charge that move the virtual counter (all of them by default)."""
+        return units
 
     def _lift(self, acct: TenantAccount) -> None:
         """Hook: adjust a tenant's counter when it becomes backlogged. No-op by default."""
 
+    # ---- decisions ----------------------------------------------------------------------------
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
-        """Order tenants with pending work for the next admission.
+        """Order tenants with pending work, most deserving first.
 
-        tenant_ids: tenants that have an admissible request. arrival: arrival time (seconds) of
-        each tenant's head request. Returns the tenant ids, most deserving first.
+        tenant_ids: tenants that have admissible work. arrival: arrival time (seconds) of each
+        tenant's head request. Returns the tenant ids.
         """
         raise NotImplementedError
+
+    def pick(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> str:
+        """The tenant that gets the next slice of the prefill budget. Raises ValueError when empty."""
+        ordered = self.order(tenant_ids, arrival)
+        if not ordered:
+            raise ValueError("pick() needs at least one candidate tenant")
+        return ordered[0]
+
+    def describe(self) -> str:
+        """One line naming the policy and its parameters (printed by reports)."""
+        return self.name
 
 
 class VTCPolicy(SchedulingPolicy):
@@ -118,7 +162,8 @@ class VTCPolicy(SchedulingPolicy):
 
     Fairness bound (paper Theorem 4.4, with the chunked-prefill quantum in place of the longest
     prompt): for continuously backlogged tenants the weighted service difference stays within
-    `2·max(α·chunk, β·M)`, M the most tokens one batch can hold.
+    `2·max(α·chunk, β·M)` service units, M the most tokens one batch can hold (see
+    `worker.scheduling.metrics.vtc_bound`).
     """
 
     name = "vtc"
@@ -132,6 +177,74 @@ class VTCPolicy(SchedulingPolicy):
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
         return sorted(tenant_ids, key=lambda t: (self.accounts[t].virtual_counter, t))
 
+    def pick(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> str:
+        accounts = self.accounts
+        best = min(tenant_ids, key=lambda t: (accounts[t].virtual_counter, t), default=None)
+        if best is None:
+            raise ValueError("pick() needs at least one candidate tenant")
+        return best
+
+
+class VTCPredictPolicy(VTCPolicy):
+    """VTC with output-length prediction (Sheng et al., OSDI 2024, §4.4).
+
+    At admission the tenant's counter is charged the cost of `Ô` predicted output tokens
+    (`Ô = min(max_tokens, round(prediction))`); committed output tokens move the counter only once
+    they exceed `Ô`; when the request ends with `O < Ô` tokens, the cost of the `Ô − O` unused
+    tokens is refunded. The tenant's charged service (what metrics report) is always the actual
+    service. prediction: exponential moving average of the tenant's finished output lengths with
+    weight `smoothing` in (0, 1] (`initial_prediction` tokens before any request finished).
+    Raises ValueError on a smoothing outside (0, 1] or a negative initial prediction.
+    """
+
+    name = "vtc-pred"
+
+    def __init__(self, cost: CostFunction | None = None, smoothing: float = 0.2, initial_prediction: float = 0.0) -> None:
+        super().__init__(cost)
+        if not 0.0 < smoothing <= 1.0 or initial_prediction < 0:
+            raise ValueError("smoothing must be in (0, 1] and initial_prediction >= 0")
+        self.smoothing = smoothing
+        self.initial_prediction = float(initial_prediction)
+        self.predicted_len: dict[str, float | None] = {}
+        self._live: dict[str, list[int]] = {}  # request id -> [predicted, prompt_tokens, committed]
+
+    def on_admit(self, tenant_id: str, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
+        if request_id in self._live:
+            return
+        guess = self.predicted_len.get(tenant_id)
+        predicted = max(0, min(int(max_tokens), round(self.initial_prediction if guess is None else guess)))
+        self._live[request_id] = [predicted, prompt_tokens, 0]
+        acct = self.accounts[tenant_id]
+        if predicted:
+            acct.virtual_counter += self.cost.decode(predicted, prompt_tokens, 0) / acct.weight
+
+    def _counter_units(self, acct, units, prompt_tokens, output_tokens, request_id) -> float:
+        live = self._live.get(request_id) if request_id is not None else None
+        if live is None or not output_tokens:
+            return units
+        predicted, prompt, before = live
+        live[2] = after = before + output_tokens
+        start = max(before, predicted)
+        if after <= start:
+            return units - self.cost.decode(output_tokens, prompt, before)  # covered by the prediction
+        covered = self.cost.decode(start - before, prompt, before) if start > before else 0.0
+        return units - covered
+
+    def on_request_finish(self, tenant_id: str, request_id: str, prompt_tokens: int, output_tokens: int) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        predicted, prompt, committed = live
+        acct = self.accounts[tenant_id]
+        if committed < predicted:
+            acct.virtual_counter -= self.cost.decode(predicted - committed, prompt, committed) / acct.weight
+        old = self.predicted_len.get(tenant_id)
+        self.predicted_len[tenant_id] = float(output_tokens) if old is None else (
+            (1 - self.smoothing) * old + self.smoothing * output_tokens)
+
+    def describe(self) -> str:
+        return f"vtc-pred (EMA smoothing {self.smoothing:g}, initial prediction {self.initial_prediction:g} tokens)"
+
 
 class FCFSPolicy(SchedulingPolicy):
     """First come, first served across all tenants (baseline; counters kept for reporting)."""
@@ -141,13 +254,29 @@ class FCFSPolicy(SchedulingPolicy):
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
         return sorted(tenant_ids, key=lambda t: (arrival[t], t))
 
+    def pick(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> str:
+        best = min(tenant_ids, key=lambda t: (arrival[t], t), default=None)
+        if best is None:
+            raise ValueError("pick() needs at least one candidate tenant")
+        return best
 
-POLICIES = {"vtc": VTCPolicy, "fcfs": FCFSPolicy}
+
+POLICIES = ("vtc", "vtc-pred", "drr", "fcfs")
 
 
-def make_policy(name: str) -> SchedulingPolicy:
-    """Build a policy by name (`vtc` or `fcfs`). Raises ValueError for an unknown name."""
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; choose from {sorted(POLICIES)}") from None
+def make_policy(name: str, cost: CostFunction | None = None, **options) -> SchedulingPolicy:
+    """Build a policy by name: `vtc`, `vtc-pred`, `drr` (option `quantum`, service units) or `fcfs`.
+
+    Raises ValueError for an unknown name or bad options.
+    """
+    if name == "vtc":
+        return VTCPolicy(cost)
+    if name == "vtc-pred":
+        return VTCPredictPolicy(cost, **options)
+    if name == "fcfs":
+        return FCFSPolicy(cost)
+    if name == "drr":
+        from worker.scheduling.drr import DRRPolicy
+
+        return DRRPolicy(cost, **options)
+    raise ValueError(f"unknown scheduling policy {name!r}; choose from {sorted(POLICIES)}")

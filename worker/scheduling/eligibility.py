@@ -1,0 +1,82 @@
+"""Eligibility: a tenant whose head request does not fit memory is skipped, but not forever.
+
+DESIGN.md, "Eligibility": a tenant whose head request does not fit its KV memory is skipped for
+that iteration instead of blocking everyone (the others' work goes ahead: work-conserving, as in
+VTC's admission loop, Sheng et al. OSDI 2024 §4.2), and it is not starved either: after
+`max_skips` iterations in which its head was skipped for memory (it did not fit while another
+tenant's request was admitted: the scheduler reports that), that head gets a *reservation*:
+from then on, new admissions of other tenants may only use the KV blocks left over after the
+reserved head's need, so running work drains into the reserved room and the head is admitted as
+soon as it fits. One reservation is held at a time (the first tenant to reach the limit); the
+next one is granted when it is released. Running sequences (decodes, admitted prefills) are never
+blocked by a reservation: they already hold their place.
+
+Pure bookkeeping on tenant ids, request ids and block counts (no engine types, no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Reservation:
+    """KV memory promised to one waiting request: `blocks` blocks for `request_id` of `tenant_id`."""
+
+    tenant_id: str
+    request_id: str
+    blocks: int
+    granted_iteration: int
+
+
+class EligibilityGate:
+    """Bounded skips, then a memory reservation.
+
+    max_skips: iterations a tenant's head may be skipped for memory before memory is reserved for
+    it (>= 0; 0 reserves at the first skip). Raises ValueError on a negative value.
+    """
+
+    def __init__(self, max_skips: int = 8) -> None:
+        if max_skips < 0:
+            raise ValueError("max_skips must be >= 0")
+        self.max_skips = max_skips
+        self.skips: dict[str, int] = {}
+        self.reservation: Reservation | None = None
+        self.total_skips: dict[str, int] = {}
+        self.reservations_granted = 0
+        self._last_skip_iteration: dict[str, int] = {}
+
+    def available_blocks(self, tenant_id: str, request_id: str, free_blocks: int) -> int:
+        """Free KV blocks a new admission of `request_id` may use: all of them for the reserved
+        request (or when nothing is reserved), the rest after the reservation for anyone else."""
+        r = self.reservation
+        if r is None or r.request_id == request_id:
+            return free_blocks
+        return max(0, free_blocks - r.blocks)
+
+    def on_skip(self, tenant_id: str, request_id: str, blocks_needed: int, iteration: int) -> None:
+        """The tenant's head `request_id` (needing `blocks_needed` blocks) did not fit in iteration
+        `iteration`. Counted once per tenant per iteration; grants the reservation at the limit."""
+        if self._last_skip_iteration.get(tenant_id) == iteration:
+            return
+        self._last_skip_iteration[tenant_id] = iteration
+        n = self.skips[tenant_id] = self.skips.get(tenant_id, 0) + 1
+        self.total_skips[tenant_id] = self.total_skips.get(tenant_id, 0) + 1
+        r = self.reservation
+        if r is not None and r.request_id == request_id:
+            r.blocks = blocks_needed  # keep the reservation in step with the head's current need
+        elif r is None and n > self.max_skips:
+            self.reservation = Reservation(tenant_id, request_id, blocks_needed, iteration)
+            self.reservations_granted += 1
+
+    def on_admit(self, tenant_id: str, request_id: str) -> None:
+        """`request_id` was admitted: its tenant's skip count restarts, its reservation is released."""
+        self.skips[tenant_id] = 0
+        if self.reservation is not None and self.reservation.request_id == request_id:
+            self.reservation = None
+
+    def on_drop(self, tenant_id: str, request_id: str) -> None:
+        """`request_id` left without being admitted (cancelled): release a reservation it held."""
+        if self.reservation is not None and self.reservation.request_id == request_id:
+            self.reservation = None
+            self.skips[tenant_id] = 0
