@@ -1,9 +1,11 @@
 """`fairshare worker`: load a model and serve the gRPC worker.
 
-    fairshare worker [--host 127.0.0.1] [--port 50051] [--model smollm2|random-tiny|PATH]
+    fairshare worker [--engine reference|sglang] [--host 127.0.0.1] [--port 50051] [--model smollm2|random-tiny|PATH]
                      [--policy vtc|fcfs] [--max-num-batched-tokens 512] [--max-running 64]
                      [--num-kv-blocks N | --kv-cache-mb 1024] [--block-size 16]
                      [--alpha 1 --beta 2] [--device cpu|cuda] [--threads N] [--cache-dir DIR]
+
+`--engine sglang` runs SGLang in process instead (GPU nodes; see worker/sglang_server.py for its flags).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from fairshare.procs import port_in_use
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fairshare worker", description="Run a FairShare gRPC worker (reference engine).")
+    p.add_argument("--engine", choices=["reference", "sglang"], default="reference",
+                   help="reference (torch, CPU/GPU; default) or sglang (GPU; flags: fairshare worker --engine sglang -h)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model", default="smollm2",
@@ -43,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare worker`; returns the exit code."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--engine", default="reference")
+    if pre.parse_known_args(argv)[0].engine == "sglang":
+        from worker.sglang_server import main as sglang_main
+
+        return sglang_main(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
