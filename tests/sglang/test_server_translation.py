@@ -1,0 +1,149 @@
+"""`fairshare worker --engine sglang` pieces that run without a GPU: request translation, output
+translation (token and text deltas, stop strings, usage), model facts, the CLI dispatch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from fairshare.v1 import worker_pb2
+from worker import sglang_server as ss
+from worker.sglang_plugin import tenant as tn
+from worker.sglang_plugin.state import FairShareState
+
+FACTS = ss.ModelFacts(name="m", max_context_tokens=64, vocab_size=100)
+
+
+def make_request(**kw) -> worker_pb2.GenerateRequest:
+    req = worker_pb2.GenerateRequest(
+        request_id=kw.pop("request_id", "req-1"),
+        tenant=worker_pb2.Tenant(id=kw.pop("tenant", "acme"), weight=kw.pop("weight", 2.0),
+                                 tier=worker_pb2.TIER_BATCH, cache_namespace=kw.pop("ns", "ns-acme")),
+        prompt_token_ids=kw.pop("prompt", [1, 2, 3]),
+        cache_salt=kw.pop("salt", ""),
+    )
+    s = req.sampling
+    s.max_tokens = kw.pop("max_tokens", 8)
+    s.temperature = kw.pop("temperature", 0.0)
+    for k, v in kw.items():
+        if k in ("stop", "stop_token_ids"):
+            getattr(s, k).extend(v)
+        else:
+            setattr(s, k, v)
+    return req
+
+
+def test_request_translation_carries_signed_tenant_and_namespace():
+    kw = ss.request_to_sglang(make_request(salt="client-salt", seed=7, top_k=5, stop=["\n\n"], stop_token_ids=[9]),
+                              FACTS, "sec")
+    assert kw["input_ids"] == [1, 2, 3] and kw["stream"] is True
+    assert kw["rid"] == ss.sglang_rid("req-1") and len(kw["rid"]) == 35
+    assert kw["extra_key"] == "fs|" + tn.namespace_key("ns-acme")
+    assert kw["cache_salt"] == "client-salt"
+    sp = kw["sampling_params"]
+    assert sp["max_new_tokens"] == 8 and sp["temperature"] == 0.0 and sp["top_k"] == 5 and sp["top_p"] == 1.0
+    assert sp["stop"] == ["\n\n"] and sp["stop_token_ids"] == [9] and sp["sampling_seed"] == 7
+    tag = tn.verify(sp["custom_params"][tn.CUSTOM_PARAM_KEY], "sec")
+    assert tag == tn.TenantTag("acme", 2.0, "batch", tn.namespace_key("ns-acme"), verified=True)
+    # What the plugin does with it in SGLang's scheduler: attributes it, keeps the namespace
+    req = type("Req", (), {})()
+    req.rid, req.origin_input_ids, req.output_ids, req.lora_id = kw["rid"], kw["input_ids"], [], None
+    req.extra_key = kw["extra_key"]
+    req.sampling_params = type("SP", (), {"custom_params": sp["custom_params"], "max_new_tokens": 8})()
+    st = FairShareState("vtc", secret="sec")
+    st.on_arrival(req)
+    assert st.policy.accounts["acme"].weight == 2.0 and req.extra_key == kw["extra_key"]
+
+
+def test_request_translation_defaults_and_limits():
+    kw = ss.request_to_sglang(make_request(max_tokens=0, prompt=[5] * 60), FACTS, "sec")
+    assert kw["sampling_params"]["max_new_tokens"] == 4          # rest of the context
+    assert kw["cache_salt"] is None and kw["sampling_params"]["top_k"] == -1
+    assert "stop" not in kw["sampling_params"] and "sampling_seed" not in kw["sampling_params"]
+    rids = {ss.sglang_rid(f"r{i}") for i in range(100)} | {ss.sglang_rid("r1" * 10)}
+    assert all(not a.startswith(b) for a in rids for b in rids if a != b)   # prefix-free (SGLang aborts by prefix)
+    for bad in (dict(prompt=[]), dict(prompt=[1] * 64), dict(prompt=[100]), dict(tenant=""),
+                dict(temperature=-1.0), dict(top_p=1.5)):
+        with pytest.raises(ss.InvalidRequest):
+            ss.request_to_sglang(make_request(**bad), FACTS, "sec")
+
+
+def _char_tokenizer() -> Tokenizer:
+    vocab = {c: i for i, c in enumerate(["<eos>", *"abcdefghijklmnopqrstuvwxyz", " ", "."])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return tok
+
+
+def ids(tok, text):
+    return [tok.token_to_id(c) for c in text]
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_stream_translation_cumulative_or_incremental(incremental):
+    tok = _char_tokenizer()
+    tr = ss.StreamTranslator([1, 2], incremental, tok, stop=None, skip_ids={0})
+    chunks = [ids(tok, "ab"), ids(tok, "c"), ids(tok, "d") + [0]]
+    seen = []
+    msgs = []
+    for i, chunk in enumerate(chunks):
+        seen += chunk
+        last = i == len(chunks) - 1
+        meta = {"finish_reason": {"type": "stop", "matched": 0} if last else None, "prompt_tokens": 2,
+                "completion_tokens": len(seen), "cached_tokens": 1}
+        msgs.append(tr.feed({"output_ids": list(chunk if incremental else seen), "meta_info": meta}))
+    assert [list(m.token_ids) for m in msgs] == chunks
+    assert "".join(m.text_delta for m in msgs) == "abcd"
+    final = msgs[-1]
+    assert final.finish_reason == worker_pb2.FINISH_REASON_STOP
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_prompt_tokens) == (2, 5, 1)
+    assert all(not m.finish_reason for m in msgs[:-1])
+
+
+def test_stream_translation_never_emits_a_stop_string():
+    tok = _char_tokenizer()
+    tr = ss.StreamTranslator([1], False, tok, stop=["xyz"])
+    out, text = [], ""
+    for n in range(1, 8):
+        full = ids(tok, "abxyzqq"[:n])
+        fin = {"type": "stop", "matched": "xyz"} if n == 7 else None
+        m = tr.feed({"output_ids": full, "meta_info": {"finish_reason": fin, "prompt_tokens": 1}})
+        if m is not None:
+            out.append(m)
+            text += m.text_delta
+            assert "x" not in text   # never even the beginning of the stop string
+    assert text == "ab" and out[-1].finish_reason == worker_pb2.FINISH_REASON_STOP
+
+
+def test_finish_reasons():
+    assert ss.finish_reason_of({}) == (None, None, None)
+    assert ss.finish_reason_of({"finish_reason": {"type": "length", "length": 3}})[0] == worker_pb2.FINISH_REASON_LENGTH
+    assert ss.finish_reason_of({"finish_reason": {"type": "abort", "message": "m", "status_code": 400}}) == (
+        worker_pb2.FINISH_REASON_ABORT, "m", 400)
+
+
+def test_read_model_facts(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 32, "max_position_embeddings": 128,
+                                                      "eos_token_id": [2, 3]}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 4}))
+    (tmp_path / "tokenizer.json").write_text(_char_tokenizer().to_str())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": "{{x}}"}))
+    f = ss.read_model_facts(tmp_path, context_len=100)
+    assert (f.max_context_tokens, f.vocab_size, f.eos_token_ids, f.eos_token, f.chat_template) == (
+        100, 32, [2, 3, 4], "<eos>", "{{x}}")
+
+
+def test_cli_dispatches_engine_sglang(monkeypatch, tmp_path):
+    from worker import cli
+
+    called = {}
+    monkeypatch.setattr(ss, "main", lambda argv: called.setdefault("argv", argv) and 7)
+    assert cli.main(["--engine", "sglang", "--model", str(tmp_path)]) == 7
+    assert called["argv"] == ["--engine", "sglang", "--model", str(tmp_path)]
+    args = ss.build_parser().parse_args(["--engine", "sglang", "--model", "/m", "--tp-size", "2",
+                                         "--mem-fraction-static", "0.8"])
+    assert ss.engine_kwargs(args) == {"model_path": "/m", "tp_size": 2, "log_level": "error",
+                                      "skip_tokenizer_init": False, "mem_fraction_static": 0.8}

@@ -1,0 +1,163 @@
+"""The hook functions and the table of SGLang 0.5.23 names they attach to.
+
+Each hook has the calling convention of `sglang.srt.plugins.hook_registry.HookRegistry` (read from
+SGLang 0.5.23's `hook_registry._wrap_fn`): BEFORE `fn(*args, **kwargs) -> (args, kwargs) | None`,
+AFTER `fn(result, *args, **kwargs) -> new_result | None`, REPLACE `fn(*args, **kwargs)` (a
+replaced staticmethod stays a staticmethod). `args[0]` is `self` for methods.
+
+`HOOKS` lists every target with the parameters the hook relies on; tests/sglang checks each one
+against the installed SGLang, so an SGLang upgrade that renames or reshapes a target fails loudly.
+
+Targets (SGLang 0.5.23):
+
+| target | type | what the hook does |
+|---|---|---|
+| `sglang.srt.managers.scheduler.Scheduler._add_request_to_queue(self, req, is_retracted=False)` | BEFORE | verify the tenant, enforce its namespace, lift on arrival (not for retracted requests) |
+| `sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority(self, waiting_queue, running_batch=None, processed_tokens=0)` | AFTER | order the waiting queue by tenant virtual counter |
+| `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; retire requests aborted while waiting |
+| `sglang.srt.managers.scheduler.Scheduler.process_batch_result(self, batch, result)` | AFTER | charge output tokens as `output_ids` grow; retire finished requests |
+| `sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod) | REPLACE | retraction order: over-quota tenants first |
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from worker.sglang_plugin.state import FairShareState
+
+log = logging.getLogger("fairshare.sglang_plugin")
+
+SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+SCHEDULE_POLICY = "sglang.srt.managers.schedule_policy.SchedulePolicy"
+SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
+
+_state: FairShareState | None = None
+
+
+def set_state(state: FairShareState | None) -> None:
+    """Install the process's FairShare state (done by `register`; tests install their own)."""
+    global _state
+    _state = state
+
+
+def get_state() -> FairShareState | None:
+    return _state
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str, default=None):
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(name, default)
+
+
+# ---- the hooks -----------------------------------------------------------------------------------
+def before_add_request_to_queue(*args, **kwargs):
+    """BEFORE `Scheduler._add_request_to_queue(self, req, is_retracted=False)`."""
+    state = _state
+    if state is not None:
+        req = _arg(args, kwargs, 1, "req")
+        state.on_arrival(req, bool(_arg(args, kwargs, 2, "is_retracted", False)))
+    return None
+
+
+def after_calc_priority(result, *args, **kwargs):
+    """AFTER `SchedulePolicy.calc_priority(self, waiting_queue, running_batch=None,
+    processed_tokens=0) -> None` (it sorts `waiting_queue` in place; so does this hook)."""
+    state = _state
+    if state is not None:
+        waiting_queue = _arg(args, kwargs, 1, "waiting_queue")
+        if waiting_queue:
+            state.order_waiting(waiting_queue)
+    return None
+
+
+def after_get_new_batch_prefill(result, *args, **kwargs):
+    """AFTER `Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan`."""
+    state = _state
+    if state is None:
+        return None
+    scheduler = args[0] if args else None
+    batch = getattr(result, "batch_to_run", None)
+    if batch is not None:
+        state.charge_prefill(batch.reqs, skip=getattr(batch, "decoding_reqs", None) or ())
+    if scheduler is not None and _reconcilable(scheduler):
+        state.reconcile(_live_requests(scheduler, result))
+    return None
+
+
+def after_process_batch_result(result, *args, **kwargs):
+    """AFTER `Scheduler.process_batch_result(self, batch, result)`."""
+    state = _state
+    if state is not None:
+        batch = _arg(args, kwargs, 1, "batch")
+        if batch is not None:
+            state.charge_outputs(batch.reqs)
+    return None
+
+
+def replace_decode_retraction_order(reqs):
+    """REPLACE `ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod)."""
+    state = _state
+    if state is None:
+        raise RuntimeError("fairshare: retraction order hook called without plugin state")
+    return state.retraction_order(reqs)
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def _reconcilable(scheduler) -> bool:
+    """Reconciling against the scheduler's queues is only sound where every live request sits in
+    them: no PD disaggregation (its own queues), no diffusion-LM manager."""
+    mode = getattr(scheduler, "disaggregation_mode", None)
+    if mode is not None and getattr(mode, "value", mode) != "null":
+        return False
+    if getattr(scheduler, "dllm_config", None) is not None or not hasattr(scheduler, "waiting_queue"):
+        return False
+    try:  # pipeline parallelism keeps micro-batches of its own
+        from sglang.srt.runtime_context import get_parallel
+
+        return get_parallel().pp_size <= 1
+    except Exception:
+        return True
+
+
+def _live_requests(scheduler, plan):
+    """Every request the scheduler still holds: waiting, running, being prefilled (chunked), in the
+    batch just formed, in the last batch, or queued for result processing (overlap)."""
+    yield from scheduler.waiting_queue
+    yield getattr(scheduler, "chunked_req", None)
+    for batch in (getattr(plan, "batch_to_run", None), getattr(plan, "running_batch", None),
+                  getattr(scheduler, "running_batch", None), getattr(scheduler, "last_batch", None),
+                  getattr(scheduler, "cur_batch_for_debug", None)):
+        if batch is not None:
+            yield from batch.reqs
+    for item in getattr(scheduler, "result_queue", ()) or ():
+        batch = item[0] if isinstance(item, tuple) else item
+        yield from getattr(batch, "reqs", ())
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One hook: target path, HookRegistry hook type name, the function, and the parameters of the
+    target (in order, `self` included for methods) that the hook relies on, with the defaults it
+    relies on (`...` = required). `static`: the target is a staticmethod."""
+
+    target: str
+    hook_type: str
+    fn: object
+    params: tuple[tuple[str, object], ...]
+    static: bool = False
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook(f"{SCHEDULER}._add_request_to_queue", "BEFORE", before_add_request_to_queue,
+         (("self", ...), ("req", ...), ("is_retracted", False))),
+    Hook(f"{SCHEDULE_POLICY}.calc_priority", "AFTER", after_calc_priority,
+         (("self", ...), ("waiting_queue", ...), ("running_batch", None), ("processed_tokens", 0))),
+    Hook(f"{SCHEDULER}.get_new_batch_prefill", "AFTER", after_get_new_batch_prefill,
+         (("self", ...), ("running_batch", ...))),
+    Hook(f"{SCHEDULER}.process_batch_result", "AFTER", after_process_batch_result,
+         (("self", ...), ("batch", ...), ("result", ...))),
+    Hook(f"{SCHEDULE_BATCH}._get_decode_retraction_order", "REPLACE", replace_decode_retraction_order,
+         (("reqs", ...),), static=True),
+)

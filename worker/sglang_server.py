@@ -1,0 +1,507 @@
+"""`fairshare worker --engine sglang`: SGLang's engine, in process, behind FairShare's gRPC contract.
+
+    fairshare worker --engine sglang --model PATH [--tp-size N] [--mem-fraction-static F]
+                     [--policy vtc|vtc-pred|drr|fcfs|off] [--alpha 1 --beta 2] [--host --port]
+
+The gRPC surface is the reference worker's (`proto/fairshare/v1/worker.proto`): server-streaming
+`Generate` (token ids and text deltas, finish reason, usage with SGLang's cached-token count),
+`Abort` (and cancelling the stream aborts), `GetModelInfo`, `GetLoad`, plus `grpc.health.v1`.
+Fair scheduling happens inside SGLang's scheduler processes, through FairShare's plugin
+(`worker.sglang_plugin`, entry point `sglang.srt.plugins`): this module only puts each request's
+tenant where the plugin reads it, signed (see `worker.sglang_plugin.tenant`):
+
+- `sampling_params.custom_params["fairshare_tenant"]`: HMAC-signed tenant id, weight, tier and
+  namespace key (the secret is created here and reaches SGLang's spawned schedulers through the
+  environment);
+- `extra_key = "fs|" + namespace_key(tenant.cache_namespace)`: the radix-cache namespace;
+- `cache_salt`: the client's salt (splits the tenant's own namespace only).
+
+SGLang's rid is a fixed-length digest of FairShare's request id: SGLang aborts by rid *prefix*
+(`Scheduler.abort_request` matches `rid.startswith(...)`), so rids must be prefix-free.
+
+Text: SGLang samples and applies stop tokens/strings; the text deltas are produced here with the
+model's `tokenizer.json` (the same incremental detokenizer and stop-string hold-back as the
+reference engine), so a stop string is never emitted, not even partially.
+
+Needs a GPU node with `sglang==0.5.23` installed (extra `[sglang]`). Request translation
+(`request_to_sglang`, `response_from_sglang`) imports neither sglang nor torch and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from worker.sglang_plugin import tenant as tenant_mod
+
+log = logging.getLogger("fairshare.worker.sglang")
+
+SERVICE_NAME = "fairshare.v1.Worker"
+_TIER_NAMES = {
+    worker_pb2.TIER_UNSPECIFIED: "interactive",
+    worker_pb2.TIER_INTERACTIVE: "interactive",
+    worker_pb2.TIER_BATCH: "batch",
+    worker_pb2.TIER_BACKGROUND: "background",
+}
+_TIER_ENUMS = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TIER_BATCH,
+               "background": worker_pb2.TIER_BACKGROUND}
+_FINISH = {"stop": worker_pb2.FINISH_REASON_STOP, "length": worker_pb2.FINISH_REASON_LENGTH,
+           "abort": worker_pb2.FINISH_REASON_ABORT}
+
+
+class InvalidRequest(ValueError):
+    """The request can never run (maps to gRPC INVALID_ARGUMENT)."""
+
+
+def sglang_rid(request_id: str) -> str:
+    """SGLang request id for a FairShare request id: fixed length, hence prefix-free."""
+    return "fs-" + hashlib.sha256(request_id.encode()).hexdigest()[:32]
+
+
+@dataclass
+class ModelFacts:
+    """What the servicer needs to know about the model: limits for validation and the tokenizer
+    files for `GetModelInfo` and detokenization."""
+
+    name: str
+    max_context_tokens: int
+    vocab_size: int
+    tokenizer_json: str = ""
+    chat_template: str = ""
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, secret: str) -> dict:
+    """Keyword arguments for SGLang's `GenerateReqInput` for one FairShare request.
+
+    Raises InvalidRequest when the request can never run (no tenant, empty or too long prompt,
+    token ids outside the vocabulary, bad sampling values).
+    """
+    tenant = request.tenant
+    if not tenant.id:
+        raise InvalidRequest("tenant.id is required")
+    prompt = list(request.prompt_token_ids)
+    if not prompt:
+        raise InvalidRequest("the prompt is empty")
+    if any(t >= facts.vocab_size for t in prompt):
+        raise InvalidRequest(f"prompt token ids must be in [0, {facts.vocab_size})")
+    if len(prompt) >= facts.max_context_tokens:
+        raise InvalidRequest(f"the prompt has {len(prompt)} tokens; this model's context is "
+                             f"{facts.max_context_tokens} tokens, including at least one output token")
+    weight = tenant.weight or 1.0
+    if not weight > 0:
+        raise InvalidRequest("tenant weight must be > 0")
+    s = request.sampling
+    if s.temperature < 0:
+        raise InvalidRequest("temperature must be >= 0")
+    if s.top_p < 0 or s.top_p > 1:
+        raise InvalidRequest("top_p must be in [0, 1]")
+    room = facts.max_context_tokens - len(prompt)
+    sampling: dict = {
+        "max_new_tokens": min(s.max_tokens, room) if s.max_tokens else room,
+        "temperature": float(s.temperature),
+        "top_p": float(s.top_p) if 0.0 < s.top_p <= 1.0 else 1.0,
+        "top_k": int(s.top_k) if s.top_k > 0 else -1,
+        "ignore_eos": bool(s.ignore_eos),
+        "skip_special_tokens": True,
+        "custom_params": {tenant_mod.CUSTOM_PARAM_KEY: tenant_mod.sign(
+            tenant.id, weight, _TIER_NAMES.get(tenant.tier, "interactive"), tenant.cache_namespace, secret)},
+    }
+    if s.stop:
+        sampling["stop"] = list(s.stop)
+    if s.stop_token_ids:
+        sampling["stop_token_ids"] = [int(t) for t in s.stop_token_ids]
+    if s.HasField("seed"):
+        sampling["sampling_seed"] = int(s.seed)
+    request_id = request.request_id or uuid.uuid4().hex
+    return {
+        "input_ids": prompt,
+        "sampling_params": sampling,
+        "rid": sglang_rid(request_id),
+        "stream": True,
+        "extra_key": tenant_mod.NAMESPACE_PREFIX + tenant_mod.namespace_key(tenant.cache_namespace),
+        "cache_salt": request.cache_salt or None,
+    }
+
+
+def finish_reason_of(meta_info: dict) -> tuple[int | None, str | None, int | None]:
+    """(proto finish reason or None while running, abort message, abort HTTP status) from SGLang's
+    `meta_info["finish_reason"]` (None, or a dict with `type` stop / length / abort)."""
+    reason = meta_info.get("finish_reason")
+    if reason is None:
+        return None, None, None
+    kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+    proto = _FINISH.get(kind, worker_pb2.FINISH_REASON_ABORT)
+    if proto == worker_pb2.FINISH_REASON_ABORT and isinstance(reason, dict):
+        return proto, reason.get("message"), reason.get("status_code")
+    return proto, None, None
+
+
+class StreamTranslator:
+    """Turns SGLang's streamed outputs for one request into `GenerateResponse` messages.
+
+    incremental: SGLang streams only the new ids in each output (`incremental_streaming_output`);
+    otherwise each output holds all ids so far. tokenizer: a `tokenizers.Tokenizer` (None: no
+    text). stop: the request's stop strings (text is cut before the first one and a possible
+    beginning of one is held back). skip_ids: token ids never rendered (EOS, stop token ids).
+    """
+
+    def __init__(self, prompt: list[int], incremental: bool, tokenizer=None, stop: list[str] | None = None,
+                 skip_ids: set[int] | None = None, arrival: float | None = None) -> None:
+        from worker.engine.detokenizer import IncrementalDetokenizer
+
+        self.incremental = incremental
+        self.stop = list(stop or [])
+        self.detok = IncrementalDetokenizer(tokenizer, prompt, skip_ids) if tokenizer is not None else None
+        self.tokens: list[int] = []
+        self.text = ""
+        self.emitted_text = 0
+        self.emitted_tokens = 0
+        self.stopped = False
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.first_token_s: float | None = None
+        self.sent_first = False
+
+    def feed(self, out: dict) -> worker_pb2.GenerateResponse | None:
+        """One SGLang output → a message (None when nothing new and not finished)."""
+        ids = [int(t) for t in (out.get("output_ids") or [])]
+        new = ids if self.incremental else ids[len(self.tokens):]
+        meta = out.get("meta_info") or {}
+        proto_reason, _, _ = finish_reason_of(meta)
+        for tok in new:
+            self.tokens.append(tok)
+            if self.detok is not None and not self.stopped:
+                self.text += self.detok.add(tok)
+                self._cut_at_stop()
+        if new and self.first_token_s is None:
+            self.first_token_s = time.monotonic() - self.arrival
+        final = proto_reason is not None
+        if final and self.detok is not None and not self.stopped:
+            self.text += self.detok.flush()
+            self._cut_at_stop()
+        if not new and not final:
+            return None
+        return self._message(meta, proto_reason)
+
+    def _cut_at_stop(self) -> None:
+        if not self.stop:
+            return
+        longest = max(len(s) for s in self.stop)
+        start = max(0, self.emitted_text - longest + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _message(self, meta: dict, proto_reason: int | None) -> worker_pb2.GenerateResponse:
+        from worker.engine.detokenizer import stop_string_holdback
+
+        final = proto_reason is not None
+        hold = 0 if (final or self.stopped) else stop_string_holdback(self.text, self.stop)
+        end = max(self.emitted_text, len(self.text) - hold)
+        msg = worker_pb2.GenerateResponse(token_ids=self.tokens[self.emitted_tokens:],
+                                          text_delta=self.text[self.emitted_text:end])
+        self.emitted_text = end
+        self.emitted_tokens = len(self.tokens)
+        if not self.sent_first:
+            queued = meta.get("queue_time")
+            if isinstance(queued, (int, float)):
+                msg.timings.queued_s = float(queued)
+            self.sent_first = True
+        if self.first_token_s is not None:
+            msg.timings.first_token_s = self.first_token_s
+        if final:
+            msg.finish_reason = proto_reason
+            msg.usage.prompt_tokens = int(meta.get("prompt_tokens") or 0)
+            msg.usage.completion_tokens = int(meta.get("completion_tokens") or len(self.tokens))
+            msg.usage.cached_prompt_tokens = int(meta.get("cached_tokens") or 0)
+        return msg
+
+
+# ---- model files ---------------------------------------------------------------------------------
+def read_model_facts(model_dir: str | Path, context_len: int | None = None, name: str | None = None) -> ModelFacts:
+    """Tokenizer files and limits of an HF model directory (no weights are read).
+
+    Raises FileNotFoundError when config.json is missing.
+    """
+    d = Path(model_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    text_cfg = cfg.get("text_config") or cfg
+    tok_json = (d / "tokenizer.json").read_text() if (d / "tokenizer.json").is_file() else ""
+    tok_cfg = json.loads((d / "tokenizer_config.json").read_text()) if (d / "tokenizer_config.json").is_file() else {}
+    template = tok_cfg.get("chat_template") or ""
+    if (d / "chat_template.jinja").is_file():
+        template = (d / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: take the default
+        template = next((t.get("template", "") for t in template if t.get("name") == "default"), "")
+
+    def token_str(v) -> str:
+        return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+    eos: list[int] = []
+    for source in (cfg, text_cfg, _read_json(d / "generation_config.json")):
+        v = source.get("eos_token_id")
+        for t in (v if isinstance(v, list) else [v]):
+            if isinstance(t, int) and t not in eos:
+                eos.append(t)
+    vocab = int(text_cfg.get("vocab_size") or 0)
+    if tok_json and not vocab:
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_str(tok_json).get_vocab_size()
+    max_ctx = int(context_len or text_cfg.get("max_position_embeddings") or 4096)
+    return ModelFacts(name=name or d.resolve().name, max_context_tokens=max_ctx, vocab_size=vocab,
+                      tokenizer_json=tok_json, chat_template=template, eos_token_ids=sorted(eos),
+                      bos_token=token_str(tok_cfg.get("bos_token")), eos_token=token_str(tok_cfg.get("eos_token")))
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+# ---- the servicer --------------------------------------------------------------------------------
+@dataclass
+class _TenantStats:
+    weight: float = 1.0
+    tier: str = "interactive"
+    running: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    finished: int = 0
+
+
+class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """The Worker service over an in-process `sglang.Engine`.
+
+    engine: the SGLang engine (its `tokenizer_manager` serves requests). facts: `ModelFacts`.
+    secret: the tenant-token secret shared with the plugin. policy: the plugin's policy name (for
+    GetLoad). Per-tenant figures in GetLoad are what this process sees (streams, usage); the
+    virtual counters live in SGLang's scheduler processes.
+    """
+
+    def __init__(self, engine, facts: ModelFacts, secret: str, policy: str = "vtc") -> None:
+        self.engine = engine
+        self.facts = facts
+        self.secret = secret
+        self.policy = policy
+        self.draining = False
+        self.live: dict[str, str] = {}  # FairShare request id -> SGLang rid
+        self.tenants: dict[str, _TenantStats] = {}
+        self.tokenizer = None
+        if facts.tokenizer_json:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_str(facts.tokenizer_json)
+        self.incremental = bool(getattr(engine.tokenizer_manager, "incremental_streaming_output", False))
+        digest = hashlib.sha256((facts.tokenizer_json + "\0" + facts.chat_template).encode()).hexdigest()
+        self._model_info = worker_pb2.ModelInfo(
+            model_name=facts.name, max_context_tokens=facts.max_context_tokens, tokenizer_json=facts.tokenizer_json,
+            chat_template=facts.chat_template, eos_token_ids=facts.eos_token_ids, tokenizer_sha256=digest,
+            bos_token=facts.bos_token, eos_token=facts.eos_token)
+
+    def _abort_sglang(self, rid: str) -> None:
+        try:
+            self.engine.tokenizer_manager.abort_request(rid=rid)
+        except Exception:  # the engine may be shutting down
+            log.exception("abort of %s failed", rid)
+
+    async def Generate(self, request, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        try:
+            kwargs = request_to_sglang(request, self.facts, self.secret)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        request_id = request.request_id or kwargs["rid"]
+        if request_id in self.live:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
+        rid = kwargs["rid"]
+        tenant = request.tenant
+        stats = self.tenants.setdefault(tenant.id, _TenantStats())
+        stats.weight, stats.tier = tenant.weight or 1.0, _TIER_NAMES.get(tenant.tier, "interactive")
+        skip = set(self.facts.eos_token_ids) | set(request.sampling.stop_token_ids)
+        translator = StreamTranslator(list(request.prompt_token_ids), self.incremental, self.tokenizer,
+                                      list(request.sampling.stop), skip)
+        self.live[request_id] = rid
+        stats.running += 1
+        finished = False
+        generator = self.engine.tokenizer_manager.generate_request(GenerateReqInput(**kwargs), None)
+        try:
+            async for out in generator:
+                msg = translator.feed(out)
+                if msg is None:
+                    continue
+                if msg.finish_reason:
+                    finished = True
+                    _, message, status = finish_reason_of(out.get("meta_info") or {})
+                    if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and status == 400:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message or "invalid request")
+                    stats.prompt_tokens += msg.usage.prompt_tokens
+                    stats.cached_tokens += msg.usage.cached_prompt_tokens
+                    stats.output_tokens += msg.usage.completion_tokens
+                    stats.finished += 1
+                yield msg
+                if finished:
+                    return
+        except ValueError as exc:  # SGLang rejects some requests by raising in generate_request
+            finished = True
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            stats.running -= 1
+            self.live.pop(request_id, None)
+            if not finished:  # cancelled by the client, or the server is stopping
+                self._abort_sglang(rid)
+            await generator.aclose()
+
+    async def Abort(self, request, context):
+        rid = self.live.get(request.request_id)
+        if rid is not None:
+            self._abort_sglang(rid)
+        return worker_pb2.AbortResponse(found=rid is not None)
+
+    async def GetModelInfo(self, request, context):
+        return self._model_info
+
+    async def GetLoad(self, request, context):
+        load = worker_pb2.Load(running=len(self.live), policy=self.policy, draining=self.draining)
+        for tid, s in sorted(self.tenants.items()):
+            load.tenants.add(tenant_id=tid, weight=s.weight, tier=_TIER_ENUMS[s.tier], running=s.running,
+                             prompt_tokens=s.prompt_tokens - s.cached_tokens, output_tokens=s.output_tokens,
+                             finished=s.finished)
+        return load
+
+
+# ---- process entry -------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fairshare worker --engine sglang",
+                                description="Run a FairShare gRPC worker over SGLang (GPU).")
+    p.add_argument("--engine", default="sglang")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--model", required=True, help="local HF model directory (no downloads)")
+    p.add_argument("--model-name", default=None)
+    p.add_argument("--policy", choices=["vtc", "vtc-pred", "drr", "fcfs", "off"], default="vtc")
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--beta", type=float, default=2.0)
+    p.add_argument("--cached-rate", type=float, default=0.0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--mem-fraction-static", type=float, default=None)
+    p.add_argument("--max-running", type=int, default=None, help="SGLang max_running_requests")
+    p.add_argument("--chunked-prefill-size", type=int, default=None)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """`sglang.Engine` keyword arguments for the parsed flags."""
+    kw: dict = {"model_path": args.model, "tp_size": args.tp_size, "log_level": "error",
+                "skip_tokenizer_init": False}
+    for flag, key in (("mem_fraction_static", "mem_fraction_static"), ("max_running", "max_running_requests"),
+                      ("chunked_prefill_size", "chunked_prefill_size"), ("context_length", "context_length")):
+        value = getattr(args, flag)
+        if value is not None:
+            kw[key] = value
+    return kw
+
+
+def configure_plugin_env(args: argparse.Namespace) -> str:
+    """Export the plugin's settings (inherited by SGLang's spawned schedulers); returns the secret."""
+    os.environ["FAIRSHARE_SGLANG_POLICY"] = args.policy
+    os.environ["FAIRSHARE_SGLANG_ALPHA"] = repr(args.alpha)
+    os.environ["FAIRSHARE_SGLANG_BETA"] = repr(args.beta)
+    os.environ["FAIRSHARE_SGLANG_CACHED_RATE"] = repr(args.cached_rate)
+    return tenant_mod.ensure_secret()
+
+
+async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_timeout_s: float = 30.0) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop. Raises OSError when the port is taken."""
+    import signal
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    servicer.engine.tokenizer_manager.auto_create_handle_loop()  # SGLang's loop task, before our signals
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
+                                      ("grpc.max_receive_message_length", 64 * 2**20)])
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    for svc in ("", SERVICE_NAME):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    print(f"fairshare worker ready on {host}:{bound} (engine sglang, model {servicer.facts.name}, "
+          f"policy {servicer.policy})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    servicer.draining = True
+    for svc in ("", SERVICE_NAME):
+        await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    deadline = loop.time() + drain_timeout_s
+    while servicer.live and loop.time() < deadline:
+        await asyncio.sleep(0.1)
+    for rid in list(servicer.live.values()):
+        servicer._abort_sglang(rid)
+    await server.stop(grace=2.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `fairshare worker --engine sglang`; returns the exit code."""
+    import sys
+
+    from fairshare.procs import port_in_use
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if port_in_use(args.host, args.port):
+        print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
+        return 1
+    if not Path(args.model, "config.json").is_file():
+        print(f"fairshare worker: --engine sglang needs a local model directory, got {args.model!r}", file=sys.stderr)
+        return 1
+    try:
+        import sglang
+    except ImportError:
+        print("fairshare worker: --engine sglang needs SGLang: pip install 'fairshare[sglang]' (GPU nodes)",
+              file=sys.stderr)
+        return 1
+    secret = configure_plugin_env(args)
+    engine = sglang.Engine(**engine_kwargs(args))
+    try:
+        context_len = getattr(engine.tokenizer_manager, "context_len", None) or args.context_length
+        facts = read_model_facts(args.model, context_len, args.model_name)
+        servicer = SGLangWorkerServicer(engine, facts, secret, args.policy)
+        # SGLang's tokenizer manager serves from the engine's own event loop: run the server there.
+        loop = getattr(engine, "loop", None) or asyncio.new_event_loop()
+        loop.run_until_complete(serve(servicer, args.host, args.port, args.drain_timeout))
+    except OSError as exc:
+        print(f"fairshare worker: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.shutdown()
+    return 0
