@@ -260,3 +260,20 @@ def test_state_from_env():
     assert s.policy.name == "fcfs" and s.cost.beta == 3.0 and s.kv_quotas == {"A": 100} and s.secret == "x"
     with pytest.raises(ValueError):
         state_from_env({"FAIRSHARE_SGLANG_KV_QUOTAS": '{"A": -1}'})
+
+
+def test_tenant_idle_once_all_its_requests_are_past_prefill():
+    """Backlogged = queued or prefill left (the reference scheduler's rule): decoding does not count."""
+    s = make_state()
+    a1, a2, b1 = FakeReq("a1", "A", 10), FakeReq("a2", "A", 10), FakeReq("b1", "B", 10)
+    for r in (a1, a2, b1):
+        s.on_arrival(r)
+    assert s.mark_idle([a2]) == ["B"]           # b1 and a1 admitted, a2 still queued
+    assert s.policy.accounts["A"].backlogged and not s.policy.accounts["B"].backlogged
+    assert s.live == {"A": 2, "B": 1}           # b1 still decodes: still tracked and charged
+    s.policy.charge("A", 400.0)
+    b1.output_ids = [1, 2]
+    s.charge_outputs([b1])                      # B's decode tokens keep being charged while idle
+    b2 = FakeReq("b2", "B", 10)
+    s.on_arrival(b2)                            # a new B request: lifted to A's counter
+    assert counters(s)["B"] == 400.0

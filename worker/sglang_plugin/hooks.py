@@ -14,7 +14,7 @@ Targets (SGLang 0.5.23):
 |---|---|---|
 | `sglang.srt.managers.scheduler.Scheduler._add_request_to_queue(self, req, is_retracted=False)` | BEFORE | verify the tenant, enforce its namespace, lift on arrival (not for retracted requests) |
 | `sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority(self, waiting_queue, running_batch=None, processed_tokens=0)` | AFTER | order the waiting queue by tenant virtual counter |
-| `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; retire requests aborted while waiting |
+| `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; retire requests aborted while waiting; mark tenants with nothing queued and no prefill left idle |
 | `sglang.srt.managers.scheduler.Scheduler.process_batch_result(self, batch, result)` | AFTER | charge output tokens as `output_ids` grow; retire finished requests |
 | `sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod) | REPLACE | retraction order: over-quota tenants first |
 """
@@ -83,6 +83,7 @@ def after_get_new_batch_prefill(result, *args, **kwargs):
         state.charge_prefill(batch.reqs, skip=getattr(batch, "decoding_reqs", None) or ())
     if scheduler is not None and _reconcilable(scheduler):
         state.reconcile(_live_requests(scheduler, result))
+        state.mark_idle([*scheduler.waiting_queue, getattr(scheduler, "chunked_req", None)])
     return None
 
 

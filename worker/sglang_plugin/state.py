@@ -104,9 +104,11 @@ class FairShareState:
     # ---- events -----------------------------------------------------------------------------
     def on_arrival(self, req, is_retracted: bool = False) -> None:
         """Before SGLang queues `req` (`Scheduler._add_request_to_queue`). A new request marks its
-        tenant backlogged, lifting its counter (VTC); a retracted or re-queued one does not."""
+        tenant backlogged, lifting its counter (VTC); a retracted or otherwise re-queued one marks
+        it backlogged without a lift."""
         tag = self.tag_of(req)
         if req.rid in self.tracked:
+            self.policy.account(tag.tenant_id).backlogged = True
             if is_retracted:
                 self.retractions[tag.tenant_id] = self.retractions.get(tag.tenant_id, 0) + 1
             return
@@ -245,6 +247,21 @@ class FairShareState:
             if req.finished():
                 self._end(tr)
         return total
+
+    def mark_idle(self, pending_reqs: Iterable) -> list[str]:
+        """Tell the policy which tenants stopped being backlogged, after a scheduling pass.
+
+        Backlogged is the reference scheduler's definition (worker/engine/scheduler.py): queued
+        requests or prefill left. `pending_reqs`: SGLang's waiting queue plus the request whose
+        chunked prefill continues. A tenant whose requests are all past prefill is idle even while
+        they decode (VTC, Sheng et al. OSDI 2024, Algorithm 2), so its next new request is lifted.
+        Returns the tenants marked idle, in account order.
+        """
+        pending = {self.tag_of(r).tenant_id for r in pending_reqs if r is not None}
+        idle = [a.tenant_id for a in self.policy.backlogged() if a.tenant_id not in pending]
+        for t in idle:
+            self.policy.on_idle(t)
+        return idle
 
     def reconcile(self, live_reqs: Iterable) -> list[str]:
         """Retire tracked requests that are no longer anywhere in the scheduler (aborted while
