@@ -11,6 +11,9 @@ Request path (``/v1/chat/completions`` and ``/v1/completions``):
    token, and only then answer: a JSON body or an SSE stream, ``x-ratelimit-*`` headers on both;
 6. settle exactly once on success, error or client disconnect: cancel the gRPC streams (the worker
    aborts), refund ``reserved - (prompt + completion actually used)`` TPM tokens, release the lease.
+
+Each request is one ``gateway.request`` trace (gateway/tracing.py) with spans for auth, tokenize,
+admission, routing, each worker call (whose context the worker continues) and streaming.
 """
 
 from __future__ import annotations
@@ -27,12 +30,16 @@ from typing import Any, AsyncIterator
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from fairshare.config import TenantConfig, Tier
+from fairshare.telemetry import make_tracer_provider
 from fairshare.v1 import worker_pb2 as pb
 
 from . import schemas
@@ -40,10 +47,11 @@ from .admission import Admission, Decision, Lease, LeaseKeeper
 from .auth import Principal, TenantDirectory
 from .config import GatewaySettings
 from .errors import APIError, from_validation_error, install_handlers, invalid_request, model_not_found, unavailable
-from .metrics import GatewayMetrics
+from .metrics import UNKNOWN_TENANT, GatewayMetrics
 from .routing import Generation, ModelEntry, WorkerPool, start_generation
 from .sse import DONE, SSEResponse, event
 from .tokenization import TemplateError, load_tokenizer_dir
+from .tracing import end_request_span, gateway_tracer, set_error
 
 log = logging.getLogger("fairshare.gateway")
 
@@ -63,6 +71,7 @@ class Gateway:
     pool: WorkerPool
     metrics: GatewayMetrics
     live: set["Session"] = field(default_factory=set)
+    tracer: trace.Tracer = field(default_factory=gateway_tracer)
 
 
 # -- one request's generation and settlement --------------------------------------------------------
@@ -102,6 +111,9 @@ class Session:
         self.client_gone = False
         self._settle_task: asyncio.Task | None = None
         self.first_token_at: float | None = None
+        self.trace_ctx = otel_context.get_current()  # the request span's context: parent of worker calls
+        self.stream_span: trace.Span = trace.INVALID_SPAN  # first token -> settlement
+        self.request_span: trace.Span | None = None  # set for SSE responses, which end it when they settle
 
     @property
     def tenant(self) -> TenantConfig:
@@ -178,6 +190,8 @@ class Session:
         used = p + c
         m = self.gw.metrics
         m.inflight.labels(self.tenant.id).dec()
+        m.inflight_tokens.labels(self.tenant.id).dec(self.lease.tokens)
+        self._end_spans(p, c, k)
         m.tokens.labels(self.tenant.id, self.model, "prompt").inc(p)
         m.tokens.labels(self.tenant.id, self.model, "completion").inc(c)
         m.tokens.labels(self.tenant.id, self.model, "cached").inc(k)
@@ -187,6 +201,22 @@ class Session:
             m.redis_errors.inc()
             log.exception("settlement of %s failed; the lease expires in %.0f s", self.rid,
                           self.gw.admission.lease_ttl_s)
+
+    def _end_spans(self, prompt: int, completion: int, cached: int) -> None:
+        span = self.stream_span
+        if span.is_recording():
+            span.set_attributes({
+                "fairshare.prompt_tokens": prompt, "fairshare.completion_tokens": completion,
+                "fairshare.cached_prompt_tokens": cached, "fairshare.client_gone": self.client_gone,
+                "fairshare.finish_reasons": [j.finish_reason or "none" for j in self.jobs]})
+            if not self.finished and not self.client_gone:
+                set_error(span, "incomplete")
+        span.end()
+        if self.request_span is not None:
+            rs, self.request_span = self.request_span, None
+            if self.client_gone and rs.is_recording():
+                rs.set_attribute("fairshare.client_gone", True)
+            end_request_span(rs, 200)
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -275,15 +305,22 @@ def _too_large(tenant: TenantConfig, cost: int, param: str) -> APIError | None:
 
 # -- the app ----------------------------------------------------------------------------------------
 
-def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None = None,
+               tracer_provider=None) -> FastAPI:
     """Build the gateway app. Redis, the worker pool and lease renewal start in the app's lifespan.
 
-    Raises RuntimeError when no server secret is configured.
+    tracer_provider: where spans go (tests pass one with an in-memory exporter); default: a provider
+    built from ``settings.otel_exporter`` (none: the global provider, a no-op unless configured).
+    Raises RuntimeError when no server secret is configured, ValueError for an unknown exporter.
     """
     secret = settings.secret_bytes()
     if directory is None:
         directory = TenantDirectory(secret, settings.tenants_file, settings.resolved_keys_file())
     metrics = GatewayMetrics()
+    owned_provider = None
+    if tracer_provider is None:
+        tracer_provider = owned_provider = make_tracer_provider("fairshare-gateway", settings.otel_exporter)
+    tracer = gateway_tracer(tracer_provider)
     local_tok = load_tokenizer_dir(settings.tokenizer) if settings.tokenizer else None
 
     @asynccontextmanager
@@ -304,7 +341,7 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
                           health_timeout_s=settings.health_timeout_s, local_tokenizer=local_tok, metrics=metrics)
         await pool.start(wait_s=0.0)
         await pool.poll_once()
-        app.state.gw = Gateway(settings, directory, redis, admission, keeper, pool, metrics)
+        app.state.gw = Gateway(settings, directory, redis, admission, keeper, pool, metrics, tracer=tracer)
         try:
             yield
         finally:
@@ -314,6 +351,8 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
             await pool.stop()
             await keeper.stop()
             await redis.aclose()
+            if owned_provider is not None:
+                owned_provider.shutdown()  # flushes batched spans
 
     app = FastAPI(title="FairShare gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
@@ -385,28 +424,59 @@ async def _serve(gw: Gateway, request: Request, kind: str):
     """Handle one completion request end to end (see the module docstring)."""
     t0 = time.perf_counter()
     endpoint = "chat" if kind == "chat" else "completions"
-    principal = gw.directory.authenticate(request.headers.get("authorization"))
-    tenant = principal.tenant
     m = gw.metrics
-    session: Session | None = None
+    span = gw.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes={
+        "http.request.method": request.method, "http.route": request.url.path, "fairshare.endpoint": endpoint})
+    token = otel_context.attach(trace.set_span_in_context(span))
+    ended = False
     try:
-        resp = await _admit_and_start(gw, request, kind, principal, t0)
-    except APIError as e:
-        if e.status != 429 and not any(k.startswith("x-ratelimit") for k in e.headers):
-            try:
-                e.headers = {**(await gw.admission.peek(tenant)).state.headers(), **e.headers}
-            except (RedisError, OSError):
-                m.redis_errors.inc()
-        m.requests.labels(tenant.id, endpoint, str(e.status)).inc()
-        raise
-    session, body_or_stream = resp
-    if isinstance(body_or_stream, dict):  # non-streamed: already settled
+        try:
+            with gw.tracer.start_as_current_span("gateway.auth", record_exception=False,
+                                                 set_status_on_exception=False) as auth_span:
+                try:
+                    principal = gw.directory.authenticate(request.headers.get("authorization"))
+                except APIError as e:
+                    set_error(auth_span, e.code)
+                    raise
+        except APIError as e:  # the tenant is unknown: label "unknown"; the key (or part of it) is never recorded
+            m.requests.labels(UNKNOWN_TENANT, endpoint, str(e.status)).inc()
+            end_request_span(span, e.status, e.code)
+            ended = True
+            raise
+        tenant = principal.tenant
+        span.set_attribute("fairshare.tenant", tenant.id)
+        try:
+            resp = await _admit_and_start(gw, request, kind, principal, t0)
+        except APIError as e:
+            if e.status != 429 and not any(k.startswith("x-ratelimit") for k in e.headers):
+                try:
+                    e.headers = {**(await gw.admission.peek(tenant)).state.headers(), **e.headers}
+                except (RedisError, OSError):
+                    m.redis_errors.inc()
+            m.requests.labels(tenant.id, endpoint, str(e.status)).inc()
+            end_request_span(span, e.status, e.code)
+            ended = True
+            raise
+        session, body_or_stream = resp
+        span.set_attribute("fairshare.request_id", session.rid)
+        if isinstance(body_or_stream, dict):  # non-streamed: already settled
+            m.requests.labels(tenant.id, endpoint, "200").inc()
+            m.latency.labels(tenant.id, endpoint).observe(time.perf_counter() - t0)
+            end_request_span(span, 200)
+            ended = True
+            return JSONResponse(body_or_stream, headers=session.headers())
         m.requests.labels(tenant.id, endpoint, "200").inc()
-        m.latency.labels(tenant.id, endpoint).observe(time.perf_counter() - t0)
-        return JSONResponse(body_or_stream, headers=session.headers())
-    m.requests.labels(tenant.id, endpoint, "200").inc()
-    return SSEResponse(body_or_stream, on_disconnect=session.on_client_gone, on_close=session.settle,
-                       headers=session.headers())
+        span.set_attribute("fairshare.stream", True)
+        session.request_span = span  # ended when the stream settles
+        ended = True
+        return SSEResponse(body_or_stream, on_disconnect=session.on_client_gone, on_close=session.settle,
+                           headers=session.headers())
+    except BaseException as e:
+        if not ended:  # an unexpected error (or cancellation): the handlers answer 500
+            end_request_span(span, 500, "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
+        raise
+    finally:
+        otel_context.detach(token)
 
 
 async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: Principal, t0: float):
@@ -435,13 +505,22 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
 
     # tokenize (large inputs on a thread, so the event loop keeps streaming other requests)
     param = "messages" if kind == "chat" else "prompt"
-    try:
-        if size > _INLINE_TOKENIZE_BYTES:
-            prompts = await asyncio.to_thread(_tokenize, entry, kind, req)
-        else:
-            prompts = _tokenize(entry, kind, req)
-    except TemplateError as e:
-        raise invalid_request(f"Invalid 'messages': {e}", "messages", "invalid_value") from None
+    with gw.tracer.start_as_current_span("gateway.tokenize", record_exception=False,
+                                         set_status_on_exception=False) as tok_span:
+        try:
+            if size > _INLINE_TOKENIZE_BYTES:
+                prompts = await asyncio.to_thread(_tokenize, entry, kind, req)
+            else:
+                prompts = _tokenize(entry, kind, req)
+        except TemplateError as e:
+            set_error(tok_span, "invalid_value")
+            raise invalid_request(f"Invalid 'messages': {e}", "messages", "invalid_value") from None
+        except APIError as e:
+            set_error(tok_span, e.code)
+            raise
+        if tok_span.is_recording():
+            tok_span.set_attributes({"fairshare.prompts": len(prompts),
+                                     "fairshare.prompt_tokens": sum(len(p) for p in prompts)})
     for p in prompts:
         if not p:
             raise invalid_request(f"Invalid '{param}': it encodes to zero tokens.", param, "invalid_value")
@@ -476,22 +555,34 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
 
     # admission: one Redis round trip
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    try:
-        decision = await gw.admission.admit(tenant, cost, lease_id=rid)
-    except (RedisError, OSError) as e:
-        gw.metrics.redis_errors.inc()
-        raise unavailable(f"The rate limiter is unavailable ({type(e).__name__}); please retry.") from None
+    m = gw.metrics
+    with gw.tracer.start_as_current_span("gateway.admission", record_exception=False, set_status_on_exception=False,
+                                         attributes={"fairshare.cost_tokens": cost}) as adm_span:
+        ta = time.perf_counter()
+        try:
+            decision = await gw.admission.admit(tenant, cost, lease_id=rid)
+        except (RedisError, OSError) as e:
+            m.admission_latency.labels(tenant.id, "error").observe(time.perf_counter() - ta)
+            m.redis_errors.inc()
+            set_error(adm_span, type(e).__name__)
+            raise unavailable(f"The rate limiter is unavailable ({type(e).__name__}); please retry.") from None
+        m.admission_latency.labels(tenant.id, "admitted" if decision.admitted else "rejected").observe(
+            time.perf_counter() - ta)
+        if adm_span.is_recording():
+            adm_span.set_attributes({"fairshare.admitted": decision.admitted, "fairshare.reason": decision.reason})
     if not decision.admitted:
-        gw.metrics.rejections.labels(tenant.id, decision.reason).inc()
+        m.rejections.labels(tenant.id, decision.reason).inc()
         if decision.reason in ("tokens_never_fit", "inflight_never_fit"):
             err = _too_large(tenant, cost, param) or invalid_request("Request too large.", param, "request_too_large")
             err.headers.update(decision.state.headers())
             raise err
+        m.rate_limited.labels(tenant.id, decision.reason).inc()
         raise _rate_limit_error(tenant, model, decision, cost)
     lease = decision.lease
     assert lease is not None
     gw.keeper.add(lease)
-    gw.metrics.inflight.labels(tenant.id).inc()
+    m.inflight.labels(tenant.id).inc()
+    m.inflight_tokens.labels(tenant.id).inc(lease.tokens)
 
     jobs: list[Job] = []
     for g, p in enumerate(prompts):
@@ -502,10 +593,23 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     gw.live.add(session)
 
     try:  # until the first token (which may wait in the worker's queue), still watching the client
-        await _unless_client_leaves(session, request, _start_all(gw, session, req))
+        with gw.tracer.start_as_current_span("gateway.routing", record_exception=False,
+                                             set_status_on_exception=False,
+                                             attributes={"fairshare.model": model,
+                                                         "fairshare.choices": len(jobs)}) as route_span:
+            try:
+                await _unless_client_leaves(session, request, _start_all(gw, session, req))
+            except APIError as e:
+                set_error(route_span, e.code)
+                raise
+            except BaseException as e:
+                set_error(route_span, "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
+                raise
     except BaseException:
         await session.settle()
         raise
+    session.stream_span = gw.tracer.start_span("gateway.streaming", context=session.trace_ctx,
+                                               attributes={"fairshare.stream": bool(req.stream)})
     if req.stream:
         stream = _chat_stream(session, req) if kind == "chat" else _text_stream(session, req)
         return session, stream
@@ -564,7 +668,7 @@ async def _start_all(gw: Gateway, session: Session, req) -> None:
     async def start(job: Job) -> None:
         job.gen = await start_generation(gw.pool, session.model, _generate_request(session, job, req),
                                          len(job.prompt_ids) + job.max_tokens, max_attempts=attempts,
-                                         metrics=gw.metrics)
+                                         metrics=gw.metrics, tracer=gw.tracer, parent=session.trace_ctx)
 
     if len(session.jobs) == 1:
         await start(session.jobs[0])

@@ -13,14 +13,16 @@ Gateway
                       [--tokenizer DIR]                 # optional local tokenizer.json (+ chat template);
                                                         # default: taken from the worker (GetModelInfo)
                       [--lease-ttl-s 15] [--log-level info]
+                      [--otel-exporter none|console|otlp] # traces (default none; OTLP endpoint from
+                                                          # OTEL_EXPORTER_OTLP_ENDPOINT)
 
 Every flag has an environment variable read with pydantic-settings (flags win over env):
 ``FAIRSHARE_HOST``, ``FAIRSHARE_PORT``, ``FAIRSHARE_TENANTS_FILE``, ``FAIRSHARE_WORKERS``
 (comma-separated), ``FAIRSHARE_REDIS_URL``, ``FAIRSHARE_REDIS_CLUSTER`` (true/false),
 ``FAIRSHARE_SECRET`` (the secret itself),
 ``FAIRSHARE_SECRET_FILE``, ``FAIRSHARE_KEYS_FILE``, ``FAIRSHARE_TOKENIZER``,
-``FAIRSHARE_LEASE_TTL_S``, ``FAIRSHARE_LOG_LEVEL``. The gateway refuses to start without a secret.
-It listens at once; ``/readyz`` answers 200 once a worker is SERVING (and agrees on the tokenizer)
+``FAIRSHARE_LEASE_TTL_S``, ``FAIRSHARE_LOG_LEVEL``, ``FAIRSHARE_OTEL_EXPORTER``. The gateway refuses to
+start without a secret. It listens at once; ``/readyz`` answers 200 once a worker is SERVING (and agrees on the tokenizer)
 and Redis answers PING, 503 before; ``/healthz`` answers 200 while the process runs.
 
 Keys
@@ -51,7 +53,7 @@ def _settings_from_args(args: argparse.Namespace):
 
     overrides = {}
     for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "redis_cluster", "secret_file", "tokenizer",
-                 "lease_ttl_s", "log_level"):
+                 "lease_ttl_s", "log_level", "otel_exporter"):
         v = getattr(args, name, None)
         if v is not None:
             overrides[name] = v
@@ -78,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: taken from the workers)")
     p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float, help="in-flight lease TTL in seconds (default 15)")
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error (default info)")
+    p.add_argument("--otel-exporter", dest="otel_exporter", choices=["none", "console", "otlp"],
+                   help="where traces go: none (default), console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT)")
     return p
 
 

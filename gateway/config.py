@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -44,6 +44,13 @@ class GatewaySettings(BaseSettings):
     max_retries: int = Field(default=2, ge=0)
     log_level: str = "info"
     key_prefix: str = "fairshare"
+    # tracing: none (default), console or otlp (OTEL_EXPORTER_OTLP_ENDPOINT); see fairshare/telemetry.py
+    otel_exporter: Literal["none", "console", "otlp"] = "none"
+
+    @field_validator("otel_exporter", mode="before")
+    @classmethod
+    def _lower_exporter(cls, v):
+        return v.strip().lower() if isinstance(v, str) else v
 
     @field_validator("workers", mode="before")
     @classmethod

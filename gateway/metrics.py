@@ -1,4 +1,9 @@
-"""Prometheus metrics of one gateway app (its own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one gateway app (its own registry, so several apps can live in one process).
+
+Tenant labels are bounded: they are ids of configured tenants (the only ones a key can authenticate
+as), or ``unknown`` for requests refused before authentication succeeded. API keys never appear in a
+label. docs/observability.md lists every series.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_ADMISSION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+UNKNOWN_TENANT = "unknown"  # label of requests that did not authenticate
 
 
 class GatewayMetrics:
@@ -35,6 +43,15 @@ class GatewayMetrics:
         self.disconnects = Counter("fairshare_gateway_client_disconnects", "Clients that went away before the end",
                                    ["tenant"], registry=r)
         self.redis_errors = Counter("fairshare_gateway_redis_errors", "Redis calls that failed", registry=r)
+        self.rate_limited = Counter("fairshare_gateway_rate_limited", "Requests answered 429, by the limit that "
+                                    "refused them (requests, tokens, inflight_tokens, concurrent_requests)",
+                                    ["tenant", "reason"], registry=r)
+        self.admission_latency = Histogram("fairshare_gateway_admission_seconds", "Duration of the admission "
+                                           "call (one Redis round trip), by outcome (admitted, rejected, error)",
+                                           ["tenant", "outcome"], buckets=_ADMISSION_BUCKETS, registry=r)
+        self.inflight_tokens = Gauge("fairshare_gateway_inflight_tokens", "Tokens reserved by this gateway's "
+                                     "admitted, unfinished requests (prompt + n * max_tokens)", ["tenant"],
+                                     registry=r)
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

@@ -6,7 +6,9 @@
   that every worker of a model reports the same tokenizer (sha256 of tokenizer json + chat template,
   or the gateway's own ``--tokenizer``) and picks the worker with the fewest in-flight tokens.
 - `start_generation`: opens a ``Generate`` stream and reads until the first token; a worker that fails
-  before that is abandoned (its call cancelled) and the request retried on another worker.
+  before that is abandoned (its call cancelled) and the request retried on another worker. Each
+  attempt is a ``gateway.worker_call`` CLIENT span whose W3C trace context travels in the call's
+  gRPC metadata (``traceparent``), so the worker's spans are its children.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from typing import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
+from fairshare.telemetry import inject_metadata
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 
@@ -266,17 +271,19 @@ class Generation:
     """A ``Generate`` stream that has produced its first token (or finished) on one worker.
 
     Iterate it for the remaining `GenerateResponse` messages (the ones already read come first).
-    `cancel()` cancels the gRPC call (the worker aborts). `close()` releases the worker's load count.
+    `cancel()` cancels the gRPC call (the worker aborts). `close()` releases the worker's load count
+    and ends the attempt's span.
     """
 
     def __init__(self, worker: WorkerClient, call, request_id: str, cost: int,
-                 pending: list[pb.GenerateResponse]) -> None:
+                 pending: list[pb.GenerateResponse], span: trace.Span | None = None) -> None:
         self.worker = worker
         self.call = call
         self.request_id = request_id
         self.cost = cost
         self.pending = pending
         self.closed = False
+        self.span = span or trace.INVALID_SPAN
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
         """All messages of the stream. Raises grpc.aio.AioRpcError / asyncio.CancelledError on failure."""
@@ -299,10 +306,21 @@ class Generation:
 
     def close(self) -> None:
         """Cancel if still running and stop counting this request's tokens on the worker (idempotent)."""
+        cancelled = not self.call.done()
         self.cancel()
         if not self.closed:
             self.closed = True
             self.worker.local_inflight -= self.cost
+            if self.span.is_recording():
+                self.span.set_attribute("fairshare.cancelled", cancelled)
+            self.span.end()
+
+    def fail(self, code: str) -> None:
+        """Mark the attempt failed (`code`: a gRPC status name or a short reason) and close it."""
+        if self.span.is_recording():
+            self.span.set_attribute("error.type", code)
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, code))
+        self.close()
 
 
 def _is_progress(msg: pb.GenerateResponse) -> bool:
@@ -310,13 +328,19 @@ def _is_progress(msg: pb.GenerateResponse) -> bool:
 
 
 async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateRequest, cost: int, *,
-                           max_attempts: int = 3, metrics=None) -> Generation:
+                           max_attempts: int = 3, metrics=None, tracer: trace.Tracer | None = None,
+                           parent=None) -> Generation:
     """Start `request` on the least-loaded worker of `model`, retrying on another worker when one fails
     before its first token.
 
+    tracer / parent: each attempt is a ``gateway.worker_call`` span of `tracer` (default: the global
+    one) under the context `parent` (default: the current one); the current span (``gateway.routing``)
+    gets the attempt count and the chosen worker.
     Raises APIError: 400 when the worker rejects the request as invalid, 503 when no worker could run
     it. Cancellation (asyncio) cancels the call in progress.
     """
+    tracer = tracer or trace.get_tracer("fairshare.gateway")
+    routing = trace.get_current_span()
     tried: set[WorkerClient] = set()
     last: str = "no worker serves this model"
     base_id = request.request_id
@@ -329,8 +353,14 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
         req.CopyFrom(request)
         req.request_id = base_id if attempt == 0 else f"{base_id}.r{attempt}"
         w.local_inflight += cost
-        call = w.stub.Generate(req)
-        gen = Generation(w, call, req.request_id, cost, [])
+        span = tracer.start_span("gateway.worker_call", context=parent, kind=SpanKind.CLIENT, attributes={
+            "rpc.system": "grpc", "rpc.service": WORKER_SERVICE, "rpc.method": "Generate",
+            "server.address": w.addr, "fairshare.request_id": req.request_id, "fairshare.attempt": attempt})
+        if routing.is_recording():
+            routing.set_attribute("fairshare.attempts", attempt + 1)
+        metadata = inject_metadata(trace.set_span_in_context(span))
+        call = w.stub.Generate(req, metadata=metadata or None)
+        gen = Generation(w, call, req.request_id, cost, [], span)
         try:
             it = call.__aiter__()
             while True:
@@ -346,13 +376,15 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
                     break
                 gen.pending.append(msg)
                 if _is_progress(msg):
+                    if routing.is_recording():
+                        routing.set_attribute("fairshare.worker", w.addr)
                     return gen
             log.warning("%s; retrying on another worker", last)
-            gen.close()
+            gen.fail("no_first_token")
             if metrics is not None:
                 metrics.worker_retries.labels(w.addr).inc()
         except grpc.aio.AioRpcError as e:
-            gen.close()
+            gen.fail(e.code().name)
             if e.code() in _CLIENT_CODES:
                 raise invalid_request(e.details() or "invalid request", None, "invalid_value") from None
             last = f"worker {w.addr}: {e.code().name} {e.details()}"
