@@ -4,6 +4,12 @@
                      [--policy vtc|fcfs] [--max-num-batched-tokens 512] [--max-running 64]
                      [--num-kv-blocks N | --kv-cache-mb 1024] [--block-size 16]
                      [--alpha 1 --beta 2] [--device cpu|cuda] [--threads N] [--cache-dir DIR]
+                     [--metrics-port 0] [--metrics-host HOST] [--metrics-max-tenants 64]
+                     [--otel-exporter none|console|otlp]
+
+`--metrics-port N` serves Prometheus metrics on http://HOST:N/metrics (0, the default: off).
+`--otel-exporter` (env FAIRSHARE_OTEL_EXPORTER) sends traces to stdout or over OTLP
+(OTEL_EXPORTER_OTLP_ENDPOINT); default none. See docs/observability.md.
 
 `--engine sglang` runs SGLang in process instead (GPU nodes; see worker/sglang_server.py for its flags).
 """
@@ -42,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", default=None, help="converted-model cache (default $FAIRSHARE_CACHE_DIR or ~/.cache/fairshare)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics over HTTP on this port (default 0: off)")
+    p.add_argument("--metrics-host", default=None, help="address of the metrics server (default: --host)")
+    p.add_argument("--metrics-max-tenants", type=int, default=64,
+                   help="distinct tenant labels in metrics; later tenants are reported as 'other' (default 64)")
+    p.add_argument("--otel-exporter", choices=["none", "console", "otlp"], default=None,
+                   help="where traces go: none, console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT); "
+                        "default $FAIRSHARE_OTEL_EXPORTER or none")
     return p
 
 
@@ -76,8 +90,17 @@ def main(argv: list[str] | None = None) -> int:
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
                           max_model_len=args.max_model_len, device=args.device)
     engine = Engine(model, config)
+    from fairshare.telemetry import make_tracer_provider
+
     try:
-        asyncio.run(serve(engine, args.model_name or model.name, args.host, args.port, args.drain_timeout))
+        tracer_provider = make_tracer_provider("fairshare-worker", args.otel_exporter)
+    except ValueError as exc:  # a bad FAIRSHARE_OTEL_EXPORTER
+        print(f"fairshare worker: {exc}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(engine, args.model_name or model.name, args.host, args.port, args.drain_timeout,
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          metrics_max_tenants=args.metrics_max_tenants, tracer_provider=tracer_provider))
     except OSError as exc:
         print(f"fairshare worker: {exc}", file=sys.stderr)
         return 1

@@ -5,6 +5,12 @@ Each `Generate` call registers its request with the engine and relays the engine
 (gateway disconnect, deadline), the handler is cancelled and the request is aborted, which frees
 its KV blocks. SIGTERM drains: health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight
 ones may finish until the drain deadline, then the rest are aborted.
+
+Observability (docs/observability.md): each call is a ``worker.generate`` span continuing the trace
+context the gateway put in the gRPC metadata, with queue / prefill / decode children
+(worker/tracing.py); TTFT, ITL and queue-time histograms and finish counters are observed here as
+outputs stream, and the engine's per-tenant load is read at scrape time (worker/metrics.py),
+served on ``--metrics-port``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 import uuid
 
 import grpc
@@ -20,6 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from worker.engine.engine import Engine, RequestOutput
 from worker.engine.sequence import FinishReason, SamplingParams
+from worker.metrics import WorkerMetrics
+from worker.tracing import RequestTrace, worker_tracer
 
 log = logging.getLogger("fairshare.worker")
 
@@ -35,6 +44,7 @@ TIER_ENUMS = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TI
               "background": worker_pb2.TIER_BACKGROUND}
 _FINISH = {FinishReason.STOP: worker_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: worker_pb2.FINISH_REASON_ABORT}
+_FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
 
 def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
@@ -66,13 +76,21 @@ def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Implements the Worker service on top of an `Engine` (whose loop thread is started here)."""
+    """Implements the Worker service on top of an `Engine` (whose loop thread is started here).
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    metrics: where TTFT / ITL / finish figures go (default: a fresh `WorkerMetrics` over `engine`).
+    tracer_provider: where spans go (default: the global provider, a no-op unless configured).
+    """
+
+    def __init__(self, engine: Engine, model_name: str, *, metrics: WorkerMetrics | None = None,
+                 tracer_provider=None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.draining = False
         self.live: set[str] = set()
+        self.metrics = metrics if metrics is not None else WorkerMetrics(engine)
+        self.metrics.draining = lambda: self.draining
+        self.tracer = worker_tracer(tracer_provider)
         m = engine.model
         digest = hashlib.sha256((m.tokenizer_json + "\0" + (m.chat_template or "")).encode()).hexdigest()
         self._model_info = worker_pb2.ModelInfo(
@@ -89,35 +107,57 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if not tenant.id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant.id is required")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[RequestOutput, float, int]] = asyncio.Queue()
+        tier = _TIER_NAMES.get(tenant.tier, "interactive")
 
-        def on_output(out: RequestOutput) -> None:  # engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, out)
+        def on_output(out: RequestOutput) -> None:  # engine thread: stamp it here, before the hand-over
+            loop.call_soon_threadsafe(queue.put_nowait, (out, time.perf_counter(), time.time_ns()))
 
+        rt = RequestTrace(self.tracer, context.invocation_metadata(), request_id, tenant.id,
+                          prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
+                          tier=tier)
         try:
             self.engine.add_request(
                 request_id, tenant.id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
-                on_output, weight=tenant.weight or 1.0, tier=_TIER_NAMES.get(tenant.tier, "interactive"),
+                on_output, weight=tenant.weight or 1.0, tier=tier,
                 cache_namespace=tenant.cache_namespace + ("/" + request.cache_salt if request.cache_salt else ""),
             )
         except ValueError as exc:
+            rt.end("rejected")
+            self.metrics.observe_finish(tenant.id, "rejected")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.live.add(request_id)
         finished = False
+        outcome = "cancelled"
+        end_ns = None
+        last_token_at: float | None = None
+        final: RequestOutput | None = None
         try:
             while True:
-                out = await queue.get()
+                out, at, at_ns = await queue.get()
+                rt.observe(out)
+                if out.token_ids:
+                    if last_token_at is None:
+                        self.metrics.observe_first_token(tenant.id, out.queued_s, out.first_token_s or 0.0)
+                    else:
+                        self.metrics.observe_itl(tenant.id, at - last_token_at, len(out.token_ids))
+                    last_token_at = at
                 if out.error:
                     finished = True
+                    outcome, end_ns, final = "error", at_ns, out
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
                 yield _to_proto(out)
                 if out.finish_reason is not None:
                     finished = True
+                    outcome, end_ns, final = _FINISH_NAMES[out.finish_reason], at_ns, out
                     return
         finally:
             self.live.discard(request_id)
             if not finished:  # cancelled by the client (or the server shutting down)
                 self.engine.abort(request_id)
+            rt.end(outcome, end_ns, final)
+            self.metrics.observe_finish(tenant.id, outcome, final.prompt_tokens if final else 0,
+                                        final.cached_tokens if final else 0)
 
     async def Abort(self, request, context):
         return worker_pb2.AbortResponse(found=self.engine.abort(request.request_id))
@@ -144,22 +184,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 async def serve(engine: Engine, model_name: str, host: str, port: int, drain_timeout_s: float = 30.0,
-                ready_message: bool = True) -> None:
+                ready_message: bool = True, *, metrics_port: int = 0, metrics_host: str | None = None,
+                metrics_max_tenants: int = 64, tracer_provider=None) -> None:
     """Serve until SIGTERM/SIGINT, then drain (up to `drain_timeout_s` seconds) and stop.
 
-    Raises OSError when the port cannot be bound.
+    metrics_port: serve Prometheus ``/metrics`` over HTTP on metrics_host (default `host`):metrics_port
+    (0: no metrics server). metrics_max_tenants: distinct tenant labels before ``other``.
+    tracer_provider: where spans go (default: the global provider); shut down (flushed) at the end.
+    Raises OSError when a port cannot be bound.
     """
     import signal
 
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
                                       ("grpc.max_receive_message_length", 64 * 2**20)])
-    servicer = WorkerServicer(engine, model_name)
+    servicer = WorkerServicer(engine, model_name, metrics=WorkerMetrics(engine, max_tenants=metrics_max_tenants),
+                              tracer_provider=tracer_provider)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
         raise OSError(f"cannot bind {host}:{port}")
+    if metrics_port:
+        bound_metrics = servicer.metrics.serve(metrics_host or host, metrics_port)
+        log.info("worker metrics on http://%s:%d/metrics", metrics_host or host, bound_metrics)
     engine.start()
     await server.start()
     for svc in ("", SERVICE_NAME):
@@ -181,3 +229,6 @@ async def serve(engine: Engine, model_name: str, host: str, port: int, drain_tim
         await asyncio.sleep(0.1)
     engine.shutdown()
     await server.stop(grace=2.0)
+    servicer.metrics.stop()
+    if tracer_provider is not None:
+        tracer_provider.shutdown()  # flushes batched spans
