@@ -276,6 +276,12 @@ def _read_json(path: Path) -> dict:
 
 
 # ---- the servicer --------------------------------------------------------------------------------
+def _generate_req_input(**kwargs):
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    return GenerateReqInput(**kwargs)
+
+
 @dataclass
 class _TenantStats:
     weight: float = 1.0
@@ -292,12 +298,14 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     engine: the SGLang engine (its `tokenizer_manager` serves requests). facts: `ModelFacts`.
     secret: the tenant-token secret shared with the plugin. policy: the plugin's policy name (for
-    GetLoad). Per-tenant figures in GetLoad are what this process sees (streams, usage); the
-    virtual counters live in SGLang's scheduler processes.
+    GetLoad). request_factory: builds the request object from `request_to_sglang`'s keyword
+    arguments (default SGLang's `GenerateReqInput`). Per-tenant figures in GetLoad are what this
+    process sees (streams, usage); the virtual counters live in SGLang's scheduler processes.
     """
 
-    def __init__(self, engine, facts: ModelFacts, secret: str, policy: str = "vtc") -> None:
+    def __init__(self, engine, facts: ModelFacts, secret: str, policy: str = "vtc", request_factory=None) -> None:
         self.engine = engine
+        self.request_factory = request_factory or _generate_req_input
         self.facts = facts
         self.secret = secret
         self.policy = policy
@@ -329,8 +337,6 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
             kwargs = request_to_sglang(request, self.facts, self.secret)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        from sglang.srt.managers.io_struct import GenerateReqInput
-
         request_id = request.request_id or kwargs["rid"]
         if request_id in self.live:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
@@ -344,7 +350,7 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.live[request_id] = rid
         stats.running += 1
         finished = False
-        generator = self.engine.tokenizer_manager.generate_request(GenerateReqInput(**kwargs), None)
+        generator = self.engine.tokenizer_manager.generate_request(self.request_factory(**kwargs), None)
         try:
             async for out in generator:
                 msg = translator.feed(out)
