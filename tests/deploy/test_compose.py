@@ -134,8 +134,9 @@ def test_compose_file_structure_without_the_cli():
         {k for k in doc if k.startswith("x-")}
     assert "version" not in doc, "`version` is obsolete in the Compose specification"
     services = doc["services"]
-    assert set(services) == {"redis", "worker", "worker-gpu", "init", "gateway"}
+    assert set(services) == {"redis", "worker", "worker-gpu", "init", "gateway", "prometheus", "grafana"}
     assert services["worker"]["profiles"] == ["cpu"] and services["worker-gpu"]["profiles"] == ["gpu"]
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
     for name, s in services.items():
         assert set(s) & {"image", "build"}, name
         if "build" in s:
