@@ -277,3 +277,30 @@ def test_tenant_idle_once_all_its_requests_are_past_prefill():
     b2 = FakeReq("b2", "B", 10)
     s.on_arrival(b2)                            # a new B request: lifted to A's counter
     assert counters(s)["B"] == 400.0
+
+
+def test_register_refuses_a_bad_configuration(monkeypatch):
+    """SGLang's load_plugins() swallows plugin exceptions; a misconfigured plugin must stop the
+    process rather than serve without fairness."""
+    import sys
+    import types
+
+    import worker.sglang_plugin as plugin
+
+    fake_batch = types.ModuleType("sglang.srt.managers.schedule_batch")
+    fake_batch.ScheduleBatch = type("ScheduleBatch", (), {"_get_decode_retraction_order": staticmethod(lambda reqs: [])})
+    fake_registry = types.ModuleType("sglang.srt.plugins.hook_registry")
+    fake_registry.HookRegistry, fake_registry.HookType = object, object
+    for name, mod in {"sglang": types.ModuleType("sglang"), "sglang.srt": types.ModuleType("sglang.srt"),
+                      "sglang.srt.managers": types.ModuleType("sglang.srt.managers"),
+                      "sglang.srt.managers.schedule_batch": fake_batch,
+                      "sglang.srt.plugins": types.ModuleType("sglang.srt.plugins"),
+                      "sglang.srt.plugins.hook_registry": fake_registry}.items():
+        if "sglang" not in sys.modules or name not in sys.modules:
+            monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setenv("FAIRSHARE_SGLANG_KV_QUOTAS", "[1, 2]")
+    with pytest.raises(SystemExit, match="bad configuration"):
+        plugin.register(force=True)
+    monkeypatch.setenv("FAIRSHARE_SGLANG_POLICY", "off")
+    assert plugin.register(force=True) is False

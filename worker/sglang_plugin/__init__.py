@@ -77,7 +77,13 @@ def register(force: bool = False) -> bool:
     # SGLang's own order, captured before the REPLACE hook is applied; used within each tenant.
     original = ScheduleBatch.__dict__["_get_decode_retraction_order"]
     original = getattr(original, "__func__", original)
-    hooks.set_state(state_from_env(retraction_base=original))
+    try:
+        state = state_from_env(retraction_base=original)
+    except ValueError as exc:
+        # SGLang's load_plugins() logs and ignores a plugin's exceptions, which would silently
+        # serve without fairness: stop the process instead (the engine then fails to start).
+        raise SystemExit(f"fairshare SGLang plugin: bad configuration: {exc}") from exc
+    hooks.set_state(state)
     for h in hooks.HOOKS:
         HookRegistry.register(h.target, h.fn, HookType[h.hook_type])
     _registered = True
