@@ -78,10 +78,6 @@ def make_engine(model, runner, policy: str, max_running: int, chunk: int):
     return engine, timer
 
 
-def _reset_kv(runner) -> None:
-    runner.kv_cache.zero_()
-
-
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         import torch
@@ -198,17 +194,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     t0 = time.perf_counter()
     model = build_model(args.preset, args.seed)
+    n_params = sum(t.numel() for t in model.state_dict.values())
     runner = ModelRunner(model, num_kv_blocks=args.kv_blocks, block_size=args.block_size, device=args.device)
     model.state_dict.clear()  # the runner holds its own (device) copies
     _sync(args.device)
     dev = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"reference-check: {model.name} ({param_count_from_runner(runner) / 1e6:.1f} M parameters), "
+    print(f"reference-check: {model.name} ({n_params / 1e6:.1f} M parameters), "
           f"{runner.dtype}, device {dev}; built in {time.perf_counter() - t0:.1f} s", flush=True)
     print(f"torch {torch.__version__}; KV pool {args.kv_blocks} blocks x {args.block_size} tokens; "
           f"prefill chunk {args.chunk} tokens", flush=True)
 
     throughput(model, runner, 2, min(args.prompt_len, 32), 4, args.chunk, args.device, args.seed)  # warm-up
-    _reset_kv(runner)
     print("\n== throughput (prompt %d, output %d tokens per request, greedy) ==" % (args.prompt_len, args.output_len))
     print(f"{'batch':>5} {'output tok/s':>13} {'total tok/s':>12} {'wall s':>8} {'steps':>6} "
           f"{'step ms':>8} {'sched ms/iter':>14}")
@@ -218,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         sched.append(r)
         print(f"{r['batch']:>5} {r['output_tok_s']:>13.1f} {r['total_tok_s']:>12.1f} {r['wall_s']:>8.2f} "
               f"{r['steps']:>6} {r['step_ms']:>8.2f} {r['sched_ms']:>14.3f}", flush=True)
-        _reset_kv(runner)
-
+    
     print(f"\n== two tenants under overload: heavy keeps {args.heavy_share}x light's queue "
           f"({args.heavy_share * args.fair_queue} vs {args.fair_queue} requests of {args.fair_prompt_len}+"
           f"{args.fair_output_len} tokens), equal weights, {args.fair_iters} iterations measured ==")
@@ -229,26 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         f = fairness(model, runner, policy, args)
         print(f"{policy:>6} {f['service']['heavy']:>10.0f} {f['service']['light']:>10.0f} "
               f"{100 * f['share']['heavy']:>7.1f}% {100 * f['share']['light']:>7.1f}% {f['diff']:>10.0f}", flush=True)
-        _reset_kv(runner)
-
+    
     total_steps = sum(r["steps"] for r in sched) or 1
     mean_sched = sum(r["sched_ms"] * r["steps"] for r in sched) / total_steps
     print(f"\n== scheduler time per iteration: {mean_sched:.3f} ms mean over {total_steps} iterations "
           f"(per batch size above) ==")
     print(f"reference-check: done in {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
-
-
-def param_count_from_runner(runner) -> int:
-    n = runner.embed.numel() + runner.norm.numel()
-    if runner.lm_head is not runner.embed:
-        n += runner.lm_head.numel()
-    for layer in runner.layers:
-        for name in ("ln1", "qkv", "qkv_b", "o", "o_b", "ln2", "gate_up", "gate_up_b", "down", "down_b"):
-            t = getattr(layer, name)
-            if t is not None:
-                n += t.numel()
-    return n
 
 
 if __name__ == "__main__":
