@@ -7,6 +7,7 @@ Sub-commands are dispatched lazily so that e.g. `fairshare gateway` never import
 - `fairshare keys ...`     -> `gateway.cli.keys_main` (API keys, stored as HMAC digests)
 - `fairshare up ...`       -> `fairshare.up.main`  (embedded platform: Redis + worker + gateway)
 - `fairshare bench ...`    -> `fairshare.bench.main`
+- `fairshare sim ...`      -> `fairshare.sim.main`   (fairness simulator; no torch except `calibrate`)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ _COMMANDS = {
     "keys": ("gateway.cli", "keys_main", "create / list / revoke tenant API keys"),
     "up": ("fairshare.up", "main", "start Redis, a worker and the gateway on this machine"),
     "bench": ("fairshare.bench", "main", "print benchmark figures (engine, gateway)"),
+    "sim": ("fairshare.sim", "main", "fairness simulator: calibrate, run a workload, write the report"),
 }
 
 

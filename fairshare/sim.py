@@ -1,0 +1,162 @@
+"""`fairshare sim`: the fairness simulator (the real engine loop on a simulated runner).
+
+    fairshare sim list
+    fairshare sim calibrate [--model random-tiny] [--device cpu] [--threads N] [--repeats 5] [--out PATH]
+    fairshare sim run WORKLOAD [--policy vtc|vtc-pred|drr|fcfs] [--profile PATH] [--seed 0]
+                               [--rate-scale auto|X] [--cost linear|profiled] [--alpha 1 --beta 2] [--quantum 512]
+    fairshare sim report [--workloads all|a,b] [--policies vtc,drr,fcfs] [--out docs/fairness-report.md]
+                         [--img-dir docs/img] [--profile PATH] [--seed 0] [--rate-scale auto|X]
+
+`calibrate` fits the iteration time model `a + b·prefill_tokens + c·batch_size + d·context_tokens`
+from the real runner on this machine (needs torch; `--device cuda` on a GPU) and saves it as JSON.
+`run` simulates one workload under one policy and prints the per-tenant metrics. `report` runs
+every workload under every policy side by side, writes the markdown report and PNG plots, and
+prints the benchmark figures. Every command that reports prints the cost function and weights.
+`run` and `report` import no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PROFILE = ROOT / "loadtests" / "profiles" / "cpu-random-tiny.json"
+
+
+def _profile(path: str | None):
+    from worker.sim.runner import IterationTimeModel
+
+    p = Path(path) if path else DEFAULT_PROFILE
+    try:
+        return IterationTimeModel.load(p)
+    except OSError as exc:
+        raise SystemExit(f"fairshare sim: cannot read time profile {p}: {exc} (run `fairshare sim calibrate`)")
+
+
+def _engine_overrides(args) -> dict:
+    out = {"cost": args.cost, "alpha": args.alpha, "beta": args.beta, "drr_quantum": args.quantum}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", default=None, help=f"iteration time model JSON (default {DEFAULT_PROFILE.relative_to(ROOT)})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rate-scale", default="auto", help="'auto' (scale rates to the simulated capacity) or a factor")
+    p.add_argument("--cost", choices=["linear", "profiled"], default=None)
+    p.add_argument("--alpha", type=float, default=None, help="service units per prompt token (linear cost)")
+    p.add_argument("--beta", type=float, default=None, help="service units per output token (linear cost)")
+    p.add_argument("--quantum", type=float, default=None, help="DRR quantum, service units")
+
+
+def cmd_list(argv: list[str]) -> int:
+    from loadtests.workloads import all_workloads
+
+    for w in all_workloads():
+        weights = ", ".join(f"{t.tenant_id}={t.weight:g}" for t in w.tenants)
+        print(f"{w.name:<20} {w.description}  [weights {weights}; {w.source}]")
+    return 0
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fairshare sim calibrate", description="Fit the iteration time model.")
+    p.add_argument("--model", default="random-tiny")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None, help="where to save (default loadtests/profiles/<device>-<model>.json)")
+    args = p.parse_args(argv)
+    from worker.sim.calibrate import calibrate
+
+    model, _ = calibrate(args.model, args.device, args.repeats, args.threads)
+    out = Path(args.out) if args.out else ROOT / "loadtests" / "profiles" / f"{args.device.split(':')[0]}-{args.model}.json"
+    model.save(out)
+    print(f"saved {out}")
+    return 0
+
+
+def cmd_run(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fairshare sim run", description="Simulate one workload under one policy.")
+    p.add_argument("workload")
+    p.add_argument("--policy", choices=["vtc", "vtc-pred", "drr", "fcfs"], default="vtc")
+    p.add_argument("--drain", action="store_true", help="run until every request finished")
+    _add_common(p)
+    args = p.parse_args(argv)
+    from loadtests.workloads import get_workload
+    from worker.scheduling.metrics import compute_metrics
+    from worker.sim.driver import run_workload
+    from worker.sim.report import TENANT_COLUMNS, _f, resolve_rate_scale
+
+    try:
+        workload = get_workload(args.workload)
+    except KeyError as exc:
+        print(f"fairshare sim: {exc.args[0]}", file=sys.stderr)
+        return 2
+    tm = _profile(args.profile)
+    overrides = _engine_overrides(args)
+    scale, cap = resolve_rate_scale(args.rate_scale, tm, **overrides)
+    res = run_workload(workload, args.policy, tm, seed=args.seed, rate_scale=scale,
+                       drain_s=math.inf if args.drain else None, **overrides)
+    m = compute_metrics(res.log, res.engine.cost, window=res.window)
+    print(f"workload {workload.name}: {workload.description}")
+    print(f"policy: {res.engine.policy.describe()}")
+    print(f"cost function: {res.engine.cost.describe()}")
+    print("weights: " + ", ".join(f"{t}={w:g}" for t, w in workload.weights().items()))
+    print(f"time model: {tm.describe()}")
+    print(f"rate scale {scale:.4f}" + (f" (capacity {cap:.3f} req/s)" if cap else "")
+          + f"; {res.iterations} iterations, simulated {res.end_s:.1f} s")
+    cols = [("tenant", 12)] + [(c[1], max(9, len(c[1]))) for c in TENANT_COLUMNS]
+    print("  ".join(f"{name:>{w}}" for name, w in cols))
+    for t, tm_ in m.tenants.items():
+        vals = [t] + [_f(getattr(tm_, k), d) for k, _, d in TENANT_COLUMNS]
+        print("  ".join(f"{v:>{w}}" for v, (_, w) in zip(vals, cols)))
+    print(f"max weighted service difference over co-backlogged intervals: {m.max_pair_diff_units:.0f} units; "
+          f"Jain {m.jain:.3f}; {m.service_units_per_s:.1f} units/s; {m.output_tokens_per_s:.1f} output tokens/s; "
+          f"{m.busy_tokens_per_s:.1f} tokens per busy second; goodput {m.goodput_rps:.3f} req/s "
+          f"(TTFT <= {m.slo[0]:g} s, ITL <= {m.slo[1]:g} s)")
+    return 0
+
+
+def cmd_report(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fairshare sim report", description="Run the fairness benchmark and write the report.")
+    p.add_argument("--workloads", default="all")
+    p.add_argument("--policies", default="vtc,drr,fcfs")
+    p.add_argument("--out", default=str(ROOT / "docs" / "fairness-report.md"))
+    p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"))
+    _add_common(p)
+    args = p.parse_args(argv)
+    from loadtests.workloads import all_workloads, get_workload
+    from worker.sim.report import benchmark_lines, run_benchmark, write_report
+
+    workloads = all_workloads() if args.workloads == "all" else [get_workload(n) for n in args.workloads.split(",")]
+    policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    tm = _profile(args.profile)
+    bench = run_benchmark(workloads, policies, tm, seed=args.seed, rate_scale=args.rate_scale,
+                          progress=lambda s: print(s, flush=True), **_engine_overrides(args))
+    command = "fairshare sim report " + " ".join(argv)
+    files = write_report(bench, Path(args.out), Path(args.img_dir), command.strip())
+    print()
+    for line in benchmark_lines(bench):
+        print(line)
+    for wr in bench.results:
+        print(f"weights {wr.workload.name}: " + ", ".join(f"{t}={w:g}" for t, w in wr.workload.weights().items()))
+    print(f"wrote {len(files)} files: {files[-1]} and {len(files) - 1} plots under {args.img_dir}")
+    return 0
+
+
+_SUB = {"list": cmd_list, "calibrate": cmd_calibrate, "run": cmd_run, "report": cmd_report}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `fairshare sim`; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _SUB:
+        print(__doc__)
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    return _SUB[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

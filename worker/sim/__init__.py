@@ -1,0 +1,10 @@
+"""The simulator: the real engine loop (`worker.engine.engine.Engine`, its `Scheduler` and the
+`worker.scheduling` policies) driven by a simulated runner on a virtual clock.
+
+- `runner.py`: `VirtualClock`, `IterationTimeModel`, `SimulatedRunner` (no torch), `ClockedRunner`.
+- `calibrate.py`: fits the iteration time model from the real runner (needs torch).
+- `driver.py`: runs a workload (loadtests/workloads) under a policy and records an `EventLog`.
+- `report.py`: the fairness report (markdown table and PNG plots).
+
+CLI: `fairshare sim calibrate|run|report` (fairshare/sim.py).
+"""
