@@ -1,0 +1,106 @@
+"""The simulator: same engine loop on a simulated runner and a virtual clock; workloads; report."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from loadtests.workloads import TenantLoad, Workload, all_workloads, get_workload
+from worker.scheduling.metrics import compute_metrics
+from worker.sim.driver import run_workload
+from worker.sim.runner import IterationTimeModel, SimItem, SimulatedRunner, VirtualClock
+
+TIME = IterationTimeModel(a=0.02, b=1e-4, c=5e-4, d=5e-6, source="test")
+
+
+def short(name: str, seconds: float = 40.0) -> Workload:
+    return dataclasses.replace(get_workload(name), duration_s=seconds)
+
+
+def test_time_model_runner_and_clock(tmp_path):
+    clock = VirtualClock()
+    runner = SimulatedRunner(clock, TIME, num_kv_blocks=10, block_size=16)
+    out = runner.forward([SimItem([1] * 100, 0, [0] * 7), SimItem([5], 40, [1] * 3)])
+    assert out == [1, 1]
+    assert clock() == pytest.approx(TIME.step_time(100, 2, 141))
+    path = tmp_path / "p.json"
+    TIME.save(path)
+    assert IterationTimeModel.load(path) == TIME
+    with pytest.raises(ValueError):
+        IterationTimeModel(-1, 0, 0, 0)
+    with pytest.raises(ValueError):
+        clock.advance(-1)
+
+
+def test_simulation_is_deterministic_per_seed():
+    w = short("overload", 30.0)
+    runs = [run_workload(w, "vtc", TIME, seed=s, rate_scale=0.5) for s in (3, 3, 4)]
+    first = [(st.start, st.end, st.service) for st in runs[0].log.steps]
+    assert first == [(st.start, st.end, st.service) for st in runs[1].log.steps]
+    assert first != [(st.start, st.end, st.service) for st in runs[2].log.steps]
+    assert len(runs[0].log.steps) == runs[0].iterations > 10
+
+
+def test_sim_run_imports_no_torch():
+    code = ("import sys; from fairshare.sim import main; "
+            "rc = main(['run', 'proportional', '--rate-scale', '0.1', '--policy', 'drr']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "cost function: linear: c = 1*P + 2*O" in out.stdout and "weights: client1=1" in out.stdout
+
+
+def test_workloads_are_deterministic_and_shaped_as_described():
+    names = [w.name for w in all_workloads()]
+    assert len(names) == len(set(names)) == 12
+    for w in all_workloads():
+        assert w.generate(seed=1) == w.generate(seed=1)
+    on_off = get_workload("on-off").generate(0)
+    assert all((r.arrival_s % 60) < 30 for r in on_off if r.tenant_id == "client2")
+    inc = [r.arrival_s for r in get_workload("increasing").generate(0) if r.tenant_id == "client2"]
+    assert sum(1 for t in inc if t > 150) > 2 * sum(1 for t in inc if t <= 150)
+    cancels = [r for r in get_workload("cancel-half").generate(0) if r.tenant_id == "canceller"]
+    assert 0.35 < sum(1 for r in cancels if r.cancel_at_s is not None) / len(cancels) < 0.65
+    bursts = [r.arrival_s for r in get_workload("bursty-return").generate(0) if r.tenant_id == "bursty"]
+    assert len(bursts) % 10 == 0 and len(set(bursts)) == len(bursts) // 10
+    assert get_workload("weights-costs").weights() == {"light": 1.0, "heavy": 3.0}
+    with pytest.raises(KeyError):
+        get_workload("nope")
+    with pytest.raises(ValueError):
+        TenantLoad("x", 1.0, arrival="zipf").generate(10, 0)
+
+
+def test_cancelled_requests_keep_what_they_consumed():
+    res = run_workload(short("cancel-half", 60.0), "vtc", TIME, rate_scale=0.5)
+    recs = res.log.requests.values()
+    aborted = [r for r in recs if r.reason == "abort"]
+    assert aborted and any(r.charged > 0 for r in aborted)
+    service = {t: sum(sum(st.service.get(t, 0.0) for st in res.log.steps) for _ in [0]) for t in ("canceller", "patient")}
+    for t in service:
+        assert service[t] == pytest.approx(sum(r.charged for r in recs if r.tenant_id == t))
+        assert service[t] == pytest.approx(res.engine.policy.accounts[t].charged_service)
+
+
+def test_weighted_workload_serves_in_proportion_to_weights():
+    res = run_workload(short("weighted", 120.0), "vtc", TIME, rate_scale=1.0)
+    m = compute_metrics(res.log, res.engine.cost, window=(60.0, 120.0))  # past the ramp-up, all backlogged
+    per_weight = [m.tenants[t].service_units / m.tenants[t].weight for t in ("w1", "w2", "w3", "w4")]
+    assert max(per_weight) / min(per_weight) < 1.2
+
+
+def test_report_writes_markdown_table_and_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from worker.sim.report import benchmark_lines, run_benchmark, write_report
+
+    bench = run_benchmark([short("overload", 30.0), short("on-off", 30.0)], ["vtc", "fcfs"], TIME, rate_scale=1.0)
+    files = write_report(bench, tmp_path / "r.md", tmp_path / "img")
+    text = (tmp_path / "r.md").read_text()
+    assert "| workload | max diff VTC | max diff FCFS |" in text and "linear: c = 1*P + 2*O" in text
+    assert "Weights: client1=1, client2=1" in text
+    assert all(f.exists() for f in files) and len(list((tmp_path / "img").glob("*.png"))) == 2
+    lines = benchmark_lines(bench)
+    assert any(line.startswith("CHECK throughput") for line in lines)
+    assert any(line.startswith("cost function:") for line in lines)
