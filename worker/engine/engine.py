@@ -286,7 +286,7 @@ class Engine:
         if rec is not None:
             for c in chunks:
                 seq = c.seq
-                if seq.first_scheduled_time is not None:
+                if seq.num_computed_tokens == c.num_tokens and seq.first_scheduled_time is not None:  # first chunk
                     rec.on_admit(seq.request_id, seq.first_scheduled_time)
                 if c.prefill_units:
                     t = seq.tenant_id

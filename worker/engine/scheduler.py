@@ -121,11 +121,10 @@ class Scheduler:
         seq.finish_reason = reason
         seq.finish_time = self.clock()
         self.blocks.free(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        _remove_identical(self.running, seq)
         queue = self.waiting.get(seq.tenant_id)
-        if queue is not None and seq in queue:
-            queue.remove(seq)
+        if queue is not None:
+            _remove_identical(queue, seq)
         if was_waiting:
             self.gate.on_drop(seq.tenant_id, seq.request_id)
         self.by_id.pop(seq.request_id, None)
@@ -143,7 +142,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front of its tenant's queue."""
         self.blocks.free(seq)
-        self.running.remove(seq)
+        _remove_identical(self.running, seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -321,3 +320,10 @@ class Scheduler:
             c["kv_blocks"] += len(seq.block_table)
         return out
 
+
+def _remove_identical(items, seq: Sequence) -> None:
+    """Remove `seq` itself (by identity, not dataclass equality) from a list or deque, if present."""
+    for i, item in enumerate(items):
+        if item is seq:
+            del items[i]
+            return

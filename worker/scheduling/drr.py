@@ -33,9 +33,10 @@ class DRRPolicy(SchedulingPolicy):
     """Weighted deficit round robin (Shreedhar & Varghese, SIGCOMM 1995).
 
     quantum: service units added to a tenant's deficit per round, per unit of weight (> 0).
-    Bound: between continuously backlogged tenants the weighted service difference stays within
-    about `quantum + 2·max(α·slice, β·M)/w_min` (one round's quantum plus what one pick and the
-    decodes already running can overdraw). Raises ValueError for a non-positive quantum.
+    Bound (what tests/unit/test_fairness_properties.py checks): between co-backlogged tenants the
+    weighted service difference stays within `2·max(α·chunk, β·M)/w_min + 2·quantum·w_max/w_min`
+    (VTC's bound for what a pick and the decodes already running can overdraw, plus the quanta a
+    round may hand out unevenly). Raises ValueError for a non-positive quantum.
     """
 
     name = "drr"

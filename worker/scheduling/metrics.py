@@ -336,23 +336,25 @@ def _service_and_gps(log: EventLog, cost, tenants, backlog, t0: float, t1: float
                 last_service[t] = st.end
     for t, m in tenants.items():
         m.service_units, m.gps_units, m.final_lag_units = actual[t], ideal[t], ideal[t] - actual[t]
-    # Starvation: longest stretch inside a backlogged interval without any service.
-    served: dict[str, list[float]] = {t: [] for t in tenants}
+    # Starvation: longest stretch inside a backlogged interval during which no step served the tenant.
+    served: dict[str, list[tuple[float, float]]] = {t: [] for t in tenants}
     for st in log.steps:
         if t0 < st.end <= t1:
             for t, s in st.service.items():
                 if s > 0:
-                    served[t].append(st.end)
+                    served[t].append((st.start, st.end))
     for t, iv in backlog.items():
-        times, j, worst = served[t], 0, 0.0
+        spans, j, worst = served[t], 0, 0.0
         for a, b in iv:
-            while j < len(times) and times[j] <= a:
+            while j < len(spans) and spans[j][1] <= a:
                 j += 1
             prev = a
-            while j < len(times) and times[j] <= b:
-                worst = max(worst, times[j] - prev)
-                prev = times[j]
+            while j < len(spans) and spans[j][0] < b:
+                worst = max(worst, spans[j][0] - prev)
+                prev = max(prev, spans[j][1])
                 j += 1
+            if j > 0 and spans[j - 1][1] > b:
+                j -= 1  # a step that straddles the interval's end may also serve the next one
             worst = max(worst, b - prev)
         tenants[t].longest_starvation_s = worst
 

@@ -2,7 +2,8 @@
 
 `calibrate(model_spec, device)` times `ModelRunner.forward` over a grid of batch shapes (prefill
 chunks alone, decode batches at several context lengths, and mixed steps), then fits
-`t = a + b·prefill_tokens + c·batch_size + d·context_tokens` by ordinary least squares with
+`t = a + b·prefill_tokens + c·batch_size + d·context_tokens` by least squares on *relative*
+errors (each row weighted by 1/t, so small decode steps count as much as big prefill steps) with
 non-negative coefficients (a coefficient that comes out negative is fixed at 0 and the rest are
 refitted). Each shape is timed `repeats` times after a warm-up and the fastest time is used (on a machine
 shared with other jobs the minimum is the least disturbed estimate).
@@ -25,11 +26,12 @@ DEFAULT_GRID = {
 
 
 def _fit_nonneg(rows: list[list[float]], ys: list[float]) -> list[float]:
-    """Least squares with coefficients clamped at >= 0 (active-set by repeated refit)."""
+    """Least squares of relative errors with coefficients clamped at >= 0 (active set by refit)."""
     import numpy as np
 
-    x = np.array(rows, dtype=float)
     y = np.array(ys, dtype=float)
+    x = np.array(rows, dtype=float) / y[:, None]
+    y = np.ones_like(y)
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while active:

@@ -98,6 +98,9 @@ def summary_rows(bench: Benchmark) -> list[dict]:
             row["ratio"] = m["fcfs"].max_pair_diff_units / max(m["vtc"].max_pair_diff_units, 1e-9)
             row["tput_ratio"] = m["vtc"].busy_tokens_per_s / m["fcfs"].busy_tokens_per_s
         rt = wr.workload.returning_tenant
+        if "vtc" in wr.runs:
+            steps = [st for st in wr.runs["vtc"].log.steps if st.end <= wr.workload.duration_s]
+            row["iteration_vtc"] = sum(st.end - st.start for st in steps) / max(len(steps), 1)
         if rt:
             row["returning"] = rt
             row["ttft_solo"] = wr.solo_ttft_s
@@ -180,7 +183,8 @@ def benchmark_lines(bench: Benchmark) -> list[str]:
         if "returning" in r and "ttft_vtc" in r:
             out.append(f"INFO returning tenant {r['workload']}/{r['returning']}: TTFT VTC {r['ttft_vtc']:.2f} s vs "
                        f"solo {r['ttft_solo']:.2f} s ({r['ttft_vtc'] / r['ttft_solo']:.1f}x)"
-                       + (f", FCFS {r['ttft_fcfs']:.2f} s" if "ttft_fcfs" in r else ""))
+                       + (f", FCFS {r['ttft_fcfs']:.2f} s" if "ttft_fcfs" in r else "")
+                       + f"; mean iteration under VTC {r['iteration_vtc']:.3f} s")
     return out
 
 
@@ -277,6 +281,26 @@ def write_report(bench: Benchmark, out: Path, img_dir: Path, command: str = "fai
         "```",
         *benchmark_lines(bench),
         "```",
+        "",
+        "## Reading the results",
+        "",
+        "- *Max diff* is measured only while both tenants of a pair have queued or prefilling work. VTC keeps it "
+        "near one request's cost wherever the tenants compete for admission; where one tenant's already-running "
+        "requests keep decoding for a long time (long outputs, memory-bound pools) it grows towards the β·M part of "
+        "the bound, because VTC charges output tokens as they are committed, not at admission.",
+        "- *Returning tenants* are lifted to the smallest backlogged counter, so they are served ahead of the other "
+        "tenant's backlog but earn nothing for the time they were away. Their first token still waits for a running "
+        "slot or KV room to free up (the engine does not preempt within a tier) and for the iteration in flight; "
+        "compare their TTFT with the mean iteration time printed above rather than with an idle server.",
+        "- *Throughput* is tokens per busy second over the same, fully drained set of requests: work-conserving "
+        "policies differ only in how well their batches pack (and in recompute after preemption).",
+        "- DRR's deficits are also debited by output tokens committed after a tenant's turn, so its rounds even out "
+        "more slowly than VTC's counters.",
+        "",
+        "Reproduce: `fairshare sim calibrate --threads 1` (writes `loadtests/profiles/cpu-random-tiny.json`; on a GPU "
+        "`--device cuda --out loadtests/profiles/gpu.json`), then `fairshare sim report` (add `--profile PATH` for "
+        "another time model, `--policies vtc,vtc-pred,drr,fcfs` for the length-prediction variant). One workload: "
+        "`fairshare sim run overload --policy fcfs`.",
         "",
     ]
     for wr in bench.results:
