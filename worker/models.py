@@ -328,8 +328,8 @@ RANDOM_TINY_CONFIG: dict = {
 def build_random_llama(hf_config: dict, seed: int = 0, init_std: float = 0.02) -> dict:
     """Seeded random weights (HF names, fp32, CPU) for a Llama-family `config.json` dict.
 
-    Linear and embedding weights ~ N(0, init_std) drawn from a `torch.Generator(seed)` in a fixed
-    order; norm weights are 1 and biases 0. Same config and seed -> bit-identical tensors.
+    Linear/embedding weights and biases (when the config has them) ~ N(0, init_std), drawn from a
+    `torch.Generator(seed)` in a fixed order; norm weights are 1. Same config and seed -> bit-identical tensors.
     """
     import torch
 
@@ -351,15 +351,15 @@ def build_random_llama(hf_config: dict, seed: int = 0, init_std: float = 0.02) -
         sd[p + "self_attn.o_proj.weight"] = normal(h, cfg.num_heads * d)
         if cfg.attention_bias:
             for n, rows in (("q", cfg.num_heads * d), ("k", cfg.num_kv_heads * d), ("v", cfg.num_kv_heads * d)):
-                sd[p + f"self_attn.{n}_proj.bias"] = torch.zeros(rows)
+                sd[p + f"self_attn.{n}_proj.bias"] = normal(rows)
             if cfg.model_type == "llama":
-                sd[p + "self_attn.o_proj.bias"] = torch.zeros(h)
+                sd[p + "self_attn.o_proj.bias"] = normal(h)
         sd[p + "mlp.gate_proj.weight"] = normal(inter, h)
         sd[p + "mlp.up_proj.weight"] = normal(inter, h)
         sd[p + "mlp.down_proj.weight"] = normal(h, inter)
         if cfg.mlp_bias:
             for n, rows in (("gate", inter), ("up", inter), ("down", h)):
-                sd[p + f"mlp.{n}_proj.bias"] = torch.zeros(rows)
+                sd[p + f"mlp.{n}_proj.bias"] = normal(rows)
     sd["model.norm.weight"] = torch.ones(h)
     if not cfg.tie_word_embeddings:
         sd["lm_head.weight"] = normal(cfg.vocab_size, h)
