@@ -98,7 +98,7 @@ class _Linear:
         if prepack:
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-                probe = torch.randn(3, weight.shape[1], dtype=weight.dtype)
+                probe = torch.linspace(-1, 1, 3 * weight.shape[1], dtype=weight.dtype).view(3, -1)
                 got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
                 if torch.allclose(got, F.linear(probe, weight, bias), atol=1e-3, rtol=1e-3):
                     self.packed = packed
@@ -216,6 +216,7 @@ class ModelRunner:
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
     def _validate(self, items: list[ForwardItem]) -> None:
+        """Cheap host-side checks, so a bad item raises ValueError instead of a device-side assert."""
         for it in items:
             n = len(it.token_ids)
             if n == 0:
@@ -223,8 +224,13 @@ class ModelRunner:
             end = it.start_pos + n
             if it.start_pos < 0 or end > self.max_positions:
                 raise ValueError(f"positions [{it.start_pos}, {end}) exceed the model's {self.max_positions}")
-            if len(it.block_table) * self.block_size < end:
+            used = it.block_table[: -(-end // self.block_size)]
+            if len(used) * self.block_size < end:
                 raise ValueError(f"block_table of {len(it.block_table)} blocks cannot hold {end} positions")
+            if min(used) < 0 or max(used) >= self.num_kv_blocks:
+                raise ValueError(f"block ids must be in [0, {self.num_kv_blocks})")
+            if min(it.token_ids) < 0 or max(it.token_ids) >= self.embed.shape[0]:
+                raise ValueError(f"token ids must be in [0, {self.embed.shape[0]})")
 
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
         """Compute the items' tokens, write their K/V into the paged cache and return the float32
@@ -238,7 +244,8 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         self._validate(items)
         with torch.inference_mode():
-            return self._forward(items)
+            logits = self._forward(items)
+        return logits.clone()  # a normal tensor: callers may modify it in place outside inference mode
 
     def _forward(self, items: list[ForwardItem]) -> torch.Tensor:
         dev, bs = self.device, self.block_size
