@@ -181,7 +181,7 @@ FAIR_WINDOW_S = 60.0  # at least this much generation inside the measured window
 # requests; the window then goes on until acme has received this much, so that one step is small
 # against the total (at most FAIR_MAX_WINDOW_S).
 FAIR_MIN_ACME_SERVICE = 1500.0
-FAIR_MAX_WINDOW_S = 240.0
+FAIR_MAX_WINDOW_S = 180.0
 
 
 def fair_max_tokens(i: int, n: int) -> int:
