@@ -55,7 +55,7 @@ from fairshare.procs import find_redis_server, port_in_use, start_redis
 DEFAULT_REDIS_PORT = 6390  # not 6379, so a system Redis does not clash
 WORKER_READY_TIMEOUT_S = 900.0  # first run converts the model (~15 s on 2 cores) and may be slow
 GATEWAY_READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 15.0  # per child; the gateway and worker drain for less than this (see _run)
 TAIL_LINES = 40
 
 # The demo tenants written on first run (schema: fairshare/config.py).
@@ -636,12 +636,15 @@ def _run(args, state: Path, children: list[Child]) -> int:
     # Gateway
     url = f"http://{args.host}:{args.port}"
     print(f"fairshare up: starting gateway on {url}", flush=True)
+    gw_env = os.environ.copy()
+    # Ctrl-C should stop promptly: open streams get a short drain (the gateway's default is longer)
+    gw_env.setdefault("FAIRSHARE_DRAIN_TIMEOUT_S", "3")
     gateway = spawn("gateway", [sys.executable, "-m", "fairshare.cli", "gateway", "--host", args.host,
                                 "--port", str(args.port), "--tenants", str(tenants_file),
                                 "--keys-file", str(keys_file), "--workers", worker_addr,
                                 "--redis-url", f"redis://127.0.0.1:{args.redis_port}/0",
                                 "--secret-file", str(secret_file)],
-                    logs / "gateway.log", echo=args.verbose, children=children)
+                    logs / "gateway.log", echo=args.verbose, children=children, env=gw_env)
     _write_run_file(state, args, children)
     probe = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '', '::') else args.host}:{args.port}"
     _wait_until(lambda: gateway_ready(probe), gateway, GATEWAY_READY_TIMEOUT_S, "the gateway", children)
