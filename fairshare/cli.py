@@ -8,6 +8,7 @@ Sub-commands are dispatched lazily so that e.g. `fairshare gateway` never import
 - `fairshare up ...`       -> `fairshare.up.main`  (embedded platform: Redis + worker + gateway)
 - `fairshare bench ...`    -> `fairshare.bench.main`
 - `fairshare sim ...`      -> `fairshare.sim.main`   (fairness simulator; no torch except `calibrate`)
+- `fairshare loadtest ...` -> `fairshare.loadtest.main` (Locust campaigns and their reports)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _COMMANDS = {
     "up": ("fairshare.up", "main", "start Redis, a worker and the gateway on this machine"),
     "bench": ("fairshare.bench", "main", "print benchmark figures (engine, gateway)"),
     "sim": ("fairshare.sim", "main", "fairness simulator: calibrate, run a workload, write the report"),
+    "loadtest": ("fairshare.loadtest", "main", "run a Locust campaign (per-tenant report, FCFS vs VTC)"),
 }
 
 
