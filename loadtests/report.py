@@ -337,7 +337,8 @@ def write_report(out_dir: Path, runs: list[Run], campaign, focus: str | None = N
     L.append("## Setup")
     L.append("")
     for run in runs:
-        L.append(f"- {run.policy}: {run.setup.get('target', '?')}")
+        L.append(f"- {run.policy}: {run.setup.get('target', '?')}; worker figures from "
+                 f"{run.worker_source or 'none (client-side estimate from usage)'}")
     L.append(f"- model: `{first.data.get('model')}`; worker running-batch limit: {setup.get('max_running', '?')}")
     L.append(f"- workload: {first.data.get('workload')} (seed {first.data.get('seed')}, "
              f"rate scale {first.data.get('rate_scale')}, length scale {first.data.get('length_scale', 1.0)}, "
@@ -350,7 +351,6 @@ def write_report(out_dir: Path, runs: list[Run], campaign, focus: str | None = N
     L.append("- tenants: " + "; ".join(tenant_line(t) for t in first.tenants))
     L.append(f"- service unit (worker's cost function): c = α·P + β·O with α = {ALPHA:g}, β = {BETA:g} "
              "(the worker's defaults; P prompt tokens computed, O output tokens)")
-    L.append(f"- worker figures from: {first.worker_source or 'none (client-side estimate from usage)'}")
     L.append("- users replay each tenant's requests open-loop (arrival times from the workload); a request sent "
              "more than 1 s after its arrival time counts as late; TTFT = request sent → first content chunk, "
              "ITL = gap between content chunks, both on the client")
