@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Flags for fairshare up: make up UP_ARGS="--port 8080 --policy fcfs"
 up: $(STAMP)
-	$(BIN)/fairshare up
+	$(BIN)/fairshare up $(UP_ARGS)
 
 # Main suite in .venv; the SGLang plugin's tests run against real SGLang 0.5.23 classes in a
 # separate CPU-only env (building it fails loudly, so those tests never skip silently).
