@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from worker.engine.block_manager import BlockManager
+from worker.scheduling.quota import KVQuota, KVQuotaConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, stop_string_holdback
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -47,6 +48,12 @@ class EngineConfig:
     max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
     admitted sequences. block_size: tokens per KV block. num_kv_blocks: pool size (None: from
     kv_cache_mb). max_model_len: context limit (None: the model's).
+    kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
+    fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
+    admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
+    default per-tenant hard cap (fraction of the pool). kv_soft_quotas / kv_hard_caps: per tenant
+    id or tier, a fraction of the pool (soft default: the tenant's weight share). See
+    worker/scheduling/quota.py and docs/memory-isolation.md.
     """
 
     policy: str = "vtc"
@@ -65,6 +72,17 @@ class EngineConfig:
     kv_cache_mb: float = 1024.0
     max_model_len: int | None = None
     device: str = "cpu"
+    kv_quota: bool = False
+    kv_watermark: float = 0.8
+    kv_headroom: float = 0.05
+    kv_shared_buffer: float = 0.0
+    kv_hard_cap: float = 1.0
+    kv_soft_quotas: dict = field(default_factory=dict)
+    kv_hard_caps: dict = field(default_factory=dict)
+
+    def quota_config(self) -> KVQuotaConfig:
+        return KVQuotaConfig(self.kv_quota, self.kv_watermark, self.kv_headroom, self.kv_shared_buffer,
+                             self.kv_hard_cap, dict(self.kv_soft_quotas), dict(self.kv_hard_caps))
 
 
 @dataclass
@@ -125,9 +143,10 @@ class Engine:
         self.cost = make_cost(cfg.cost, alpha=cfg.alpha, beta=cfg.beta, cached_rate=cfg.cached_rate, profile=cfg.profile)
         options = {"quantum": cfg.drr_quantum} if cfg.policy == "drr" else {}
         self.policy = make_policy(cfg.policy, self.cost, **options)
+        self.quota = KVQuota(cfg.quota_config(), runner.num_kv_blocks) if cfg.kv_quota else None
         self.scheduler = Scheduler(self.policy, self.cost, self.block_manager, cfg.max_num_batched_tokens,
                                    cfg.max_running, prefill_slice=cfg.prefill_slice, max_skips=cfg.max_skips,
-                                   clock=self.clock)
+                                   clock=self.clock, quota=self.quota)
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
         pool_tokens = runner.num_kv_blocks * runner.block_size
@@ -401,6 +420,8 @@ class Engine:
                 "finished": self.scheduler.finished_by_tenant.get(tid, 0),
                 "preemptions": self.scheduler.preemptions_by_tenant.get(tid, 0),
             })
+            if self.quota is not None:
+                tenants[-1].update(self.quota.state(tid, c["kv_blocks"]))
         inflight = sum(len(s.prompt_token_ids) + s.max_tokens - len(s.output_token_ids)
                        for s in list(self.scheduler.by_id.values()))
         return {
@@ -408,6 +429,8 @@ class Engine:
             "kv_blocks_used": self.block_manager.num_used, "kv_blocks_total": self.block_manager.num_blocks,
             "kv_block_size": self.block_manager.block_size, "tenants": tenants, "policy": self.policy.name,
             "iterations": self.scheduler.stats.iterations, "inflight_tokens": inflight,
+            "kv_quota": self.quota is not None, "preemptions": self.scheduler.stats.preemptions,
+            "reclaim_preemptions": self.scheduler.reclaim_preemptions,
         }
 
 

@@ -25,6 +25,15 @@ prefill left; once all its requests are past prefill it is idle even if they are
 (VTC, Sheng et al. OSDI 2024 Algorithm 2: a client leaves the queue when its requests are admitted),
 so credit for a stretch without queued work is never banked.
 
+KV quotas (optional, `quota`: a `worker.scheduling.quota.KVQuota`): admissions also obey the
+tenant's hard cap, the reserved headroom and, above the safety watermark, its soft quota (a tenant
+over its soft quota waits; below the watermark it may burst). Preemption (decodes out of blocks,
+or *reclaim*: a waiting head of a tenant within its soft quota that does not fit) takes the
+latest-admitted request of the tenant furthest over its soft quota; a tenant within quota is never
+preempted while an over-quota tenant holds blocks (without an over-quota tenant, decodes fall back
+to the newest admission; reclaim never preempts then). Quota refusals are not memory skips for the
+eligibility gate. Without `quota` (or with it disabled) the behaviour is the quota-less one.
+
 Charges: prefill slices are charged here, when scheduled into the step that computes them, for
 prompt positions never charged before (recompute after preemption is not charged twice); output
 tokens are charged by the engine when committed.
@@ -42,6 +51,7 @@ from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from worker.scheduling.cost import CostFunction
 from worker.scheduling.eligibility import EligibilityGate
 from worker.scheduling.policy import SchedulingPolicy
+from worker.scheduling.quota import KVQuota
 
 
 @dataclass
@@ -76,7 +86,8 @@ class Scheduler:
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, block_manager: BlockManager,
                  max_num_batched_tokens: int = 512, max_running: int = 64, *, prefill_slice: int = 16,
-                 max_skips: int = 8, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_skips: int = 8, clock: Callable[[], float] = time.monotonic,
+                 quota: KVQuota | None = None) -> None:
         if max_num_batched_tokens < 1 or max_running < 1 or prefill_slice < 1:
             raise ValueError("max_num_batched_tokens, max_running and prefill_slice must be >= 1")
         self.policy = policy
@@ -95,6 +106,10 @@ class Scheduler:
         self.finished_by_tenant: dict[str, int] = {}
         self._admit_counter = 0
         self._unfit: dict[str, tuple[str, int]] = {}
+        self.quota = quota if quota is not None and quota.enabled else None
+        self.reclaim_preemptions = 0
+        self.quota_waits: dict[str, int] = {}      # tenant -> iterations its head waited on its quota
+        self._no_burst: set[str] = set()           # tenants preempted by reclaim this iteration
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -102,6 +117,8 @@ class Scheduler:
         if seq.request_id in self.by_id:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
         self.policy.on_arrival(seq.tenant_id, seq.weight, seq.tier)
+        if self.quota is not None:
+            self.quota.observe(seq.tenant_id, seq.weight, seq.tier)
         self.by_id[seq.request_id] = seq
         self.waiting.setdefault(seq.tenant_id, deque()).append(seq)
 
@@ -173,6 +190,9 @@ class Scheduler:
         self.stats.iterations += 1
         budget = self.max_num_batched_tokens
         chunks: dict[str, ScheduledChunk] = {}
+        self._no_burst = set()
+        if self.quota is not None:
+            self._reclaim()
 
         # 1. Decodes (one token each), oldest admission first; preempt the newest when out of blocks.
         for seq in list(self.running):
@@ -181,7 +201,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed != 1:
                 continue
             while not self.blocks.can_allocate(seq, 1):
-                victim = self.running[-1]
+                victim = self._pick_victim()
                 self._preempt(victim)
                 if victim is seq:
                     break
@@ -195,6 +215,13 @@ class Scheduler:
         # 2. Prefill, split slice by slice among tenants in policy order.
         if budget > 0:
             self._schedule_prefill(budget, chunks)
+        if self.quota is not None and not chunks and self.running:
+            # Stall (every running sequence is a partial prefill and the pool is full): free the
+            # blocks of the quota victim so that the others can go on.
+            victim = self._pick_victim()
+            if victim.block_table:
+                self._preempt(victim)
+                self._schedule_prefill(budget, chunks)
         self._mark_idle(chunks)
         return list(chunks.values())
 
@@ -274,10 +301,90 @@ class Scheduler:
         if len(self.running) >= self.max_running:
             return False
         need = self.blocks.blocks_needed(seq, seq.num_uncomputed)
-        if need > self.gate.available_blocks(seq.tenant_id, seq.request_id, self.blocks.num_free):
+        free = self.blocks.num_free
+        if self.quota is not None:
+            why = self._quota_refusal(seq, need)
+            if why is not None:
+                self.quota_waits[seq.tenant_id] = self.quota_waits.get(seq.tenant_id, 0) + 1
+                return False
+            free -= self._outstanding_prefill_blocks()  # blocks already promised to running prefills
+        if need > self.gate.available_blocks(seq.tenant_id, seq.request_id, free):
             self._unfit[seq.tenant_id] = (seq.request_id, need)
             return False
         return True
+
+    # ---- KV quotas ------------------------------------------------------------------------------
+    def held_by_tenant(self) -> dict[str, int]:
+        """KV blocks held per tenant with running sequences."""
+        out: dict[str, int] = {}
+        for s in self.running:
+            out[s.tenant_id] = out.get(s.tenant_id, 0) + len(s.block_table)
+        return out
+
+    def _outstanding_prefill_blocks(self) -> int:
+        """Blocks running sequences will still take to finish their prefill."""
+        return sum(max(0, self.blocks.blocks_for(s.num_tokens) - len(s.block_table)) for s in self.running)
+
+    def _committed(self, tenant_id: str) -> int:
+        """Blocks the tenant holds plus those its running prefills will still take."""
+        return sum(max(len(s.block_table), self.blocks.blocks_for(s.num_tokens))
+                   for s in self.running if s.tenant_id == tenant_id)
+
+    def _quota_refusal(self, seq: Sequence, need: int) -> str | None:
+        assert self.quota is not None
+        tenant = seq.tenant_id
+        committed = self._committed(tenant)
+        why = self.quota.admission_allowed(tenant, committed, need, self.blocks.num_used, bool(self.running))
+        if why is None and tenant in self._no_burst and committed + need > self.quota.soft_blocks(tenant):
+            why = "over-quota"  # just preempted to make room for a within-quota tenant: no burst back
+        return why
+
+    def _latest_with_blocks(self, tenant_id: str) -> Sequence | None:
+        for s in reversed(self.running):
+            if s.tenant_id == tenant_id and s.block_table:
+                return s
+        return None
+
+    def _pick_victim(self) -> Sequence:
+        """Preemption victim: with quotas, the latest admitted request (holding blocks) of the tenant
+        furthest over its soft quota; otherwise (or when nobody is over quota) the newest admission."""
+        if self.quota is not None:
+            tenant = self.quota.pick_victim_tenant(self.held_by_tenant())
+            if tenant is not None:
+                victim = self._latest_with_blocks(tenant)
+                if victim is not None:
+                    return victim
+        return self.running[-1]
+
+    def _reclaim(self) -> None:
+        """Preempt over-quota tenants' requests so that waiting heads of tenants within their soft
+        quota fit (only when the over-quota tenants hold enough blocks to make the difference)."""
+        assert self.quota is not None
+        quota = self.quota
+        for tenant, queue in list(self.waiting.items()):
+            if not queue or len(self.running) >= self.max_running:
+                continue
+            head = queue[0]
+            need = self.blocks.blocks_needed(head, head.num_uncomputed)
+            if self._committed(tenant) + need > quota.soft_blocks(tenant):
+                continue  # over (or would go over) its quota: no reclaim on its behalf
+            room = self.blocks.num_free - quota.headroom_blocks
+            if need <= room:
+                continue
+            held = self.held_by_tenant()
+            held.pop(tenant, None)
+            over = {t: b for t, b in held.items() if quota.over_soft(t, b)}
+            if sum(over.values()) < need - room:
+                continue
+            while need > self.blocks.num_free - quota.headroom_blocks:
+                victim_tenant = quota.pick_victim_tenant(over)
+                victim = self._latest_with_blocks(victim_tenant) if victim_tenant is not None else None
+                if victim is None:
+                    break
+                over[victim_tenant] -= len(victim.block_table)
+                self._preempt(victim)
+                self.reclaim_preemptions += 1
+                self._no_burst.add(victim_tenant)
 
     def _admit(self, seq: Sequence) -> None:
         # Tenants whose head did not fit this iteration are skipped in favour of this admission.
@@ -310,7 +417,8 @@ class Scheduler:
         chunk.prefill_tokens += hi - lo
 
     def tenant_counts(self) -> dict[str, dict[str, int]]:
-        """Per tenant: waiting and running sequences and KV blocks held."""
+        """Per tenant: waiting and running sequences and KV blocks held (plus, with quotas, the
+        soft quota and hard cap in blocks and whether it is over its soft quota)."""
         out: dict[str, dict[str, int]] = {}
         for tenant, queue in self.waiting.items():
             out.setdefault(tenant, {"waiting": 0, "running": 0, "kv_blocks": 0})["waiting"] = len(queue)
@@ -318,6 +426,9 @@ class Scheduler:
             c = out.setdefault(seq.tenant_id, {"waiting": 0, "running": 0, "kv_blocks": 0})
             c["running"] += 1
             c["kv_blocks"] += len(seq.block_table)
+        if self.quota is not None:
+            for tenant, c in out.items():
+                c.update(self.quota.state(tenant, c["kv_blocks"]))
         return out
 
 
