@@ -154,8 +154,12 @@ def _registry() -> dict[str, Workload]:
 
 
 def get_workload(name: str) -> Workload:
-    """A workload by name. Raises KeyError listing the known names."""
+    """A workload by name (the fairness benchmark's, or an extra one such as `memory-flood`).
+    Raises KeyError listing the known names."""
+    from loadtests.workloads import memory
+
     reg = _registry()
+    reg.update({w.name: w for w in memory.WORKLOADS})
     if name not in reg:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(reg)}")
     return reg[name]

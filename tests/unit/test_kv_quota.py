@@ -217,3 +217,16 @@ def test_soft_quota_is_weight_share_and_overrides():
         KVQuotaConfig(watermark=0.0).validate()
     with pytest.raises(ValueError):
         KVQuotaConfig(headroom=0.6, shared_buffer=0.5).validate()
+
+
+def test_memory_flood_workload_side_by_side():
+    from loadtests.workloads import all_workloads, get_workload
+    from worker.sim.quota_report import compare, table
+
+    w = get_workload("memory-flood")
+    assert w.generate(1) == w.generate(1) and "memory-flood" not in [x.name for x in all_workloads()]
+    off, on = compare("memory-flood")
+    assert on["victim"]["preemptions"] == 0 < off["victim"]["preemptions"]
+    assert on["victim"]["served"] == off["victim"]["served"] == on["victim"]["requests"]
+    assert on["victim"]["ttft_mean"] <= off["victim"]["ttft_mean"]
+    assert "| victim |" in table(off, on)
