@@ -231,3 +231,22 @@ def test_memory_constrained_tenant_is_skipped_then_memory_is_reserved_for_it():
     # without the bound, small requests keep overtaking it for the whole run
     sched, big = run_memory_case(max_skips=10**9)
     assert big.status is SequenceStatus.WAITING and sched.gate.total_skips["big"] > 50
+
+
+def test_prefills_side_by_side_never_overcommit_the_pool():
+    """Four tenants' 150-token prompts (10 blocks each) in a 20-block pool, prefilled side by side:
+    admission counts the blocks promised to running prefills, so the pool never fills with partial
+    prefills that wait on each other; everything completes."""
+    bm = BlockManager(20, 16)
+    sched = Scheduler(make_policy("vtc"), LinearCost(), bm, 64, 64)
+    for t in "abcd":
+        sched.add(seq(t, 150, max_tokens=2))
+    for _ in range(200):
+        chunks = sched.schedule()
+        assert chunks or not sched.has_work()
+        promised = sum(bm.blocks_for(s.num_tokens) - len(s.block_table) for s in sched.running if s.num_uncomputed > 1)
+        assert promised <= bm.num_free
+        commit(sched, chunks)
+        if not sched.has_work():
+            break
+    assert not sched.has_work() and bm.num_used == 0

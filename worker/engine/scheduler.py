@@ -12,8 +12,10 @@ times longer than the chunk cannot take every chunk (case SC2). Under FCFS the e
 the budget. Slices that land on the same sequence in one iteration form one chunk.
 
 Admission: a waiting request is admitted only when its whole remaining prefill fits in the free
-KV blocks it may use (`EligibilityGate`): a tenant whose head does not fit (or meets the
-running-slot limit) is passed over for this iteration instead of blocking everyone. An iteration
+KV blocks it may use, not counting blocks already promised to the prefills of running requests
+(several prefills progress side by side, so without that promise they could fill the pool and all
+wait on each other) nor what the `EligibilityGate` reserves: a tenant whose head does not fit (or
+meets the running-slot limit) is passed over for this iteration instead of blocking everyone. An iteration
 counts as a *skip* for it when another tenant's request is admitted while its head did not fit
 (memory being full for everyone is no skip); after `max_skips` skipped iterations memory is
 reserved for that head. When decodes cannot get a block,
@@ -106,6 +108,7 @@ class Scheduler:
         self.finished_by_tenant: dict[str, int] = {}
         self._admit_counter = 0
         self._unfit: dict[str, tuple[str, int]] = {}
+        self._uncommitted = 0
         self.quota = quota if quota is not None and quota.enabled else None
         self.reclaim_preemptions = 0
         self.quota_waits: dict[str, int] = {}      # tenant -> iterations its head waited on its quota
@@ -215,9 +218,10 @@ class Scheduler:
         # 2. Prefill, split slice by slice among tenants in policy order.
         if budget > 0:
             self._schedule_prefill(budget, chunks)
-        if self.quota is not None and not chunks and self.running:
+        if not chunks and self.running:
             # Stall (every running sequence is a partial prefill and the pool is full): free the
-            # blocks of the quota victim so that the others can go on.
+            # blocks of the victim (with quotas, of the tenant furthest over quota) so that the
+            # others can go on.
             victim = self._pick_victim()
             if victim.block_table:
                 self._preempt(victim)
@@ -245,6 +249,9 @@ class Scheduler:
                 partials.setdefault(seq.tenant_id, deque()).append(seq)
         alloc: dict[str, int] = {}  # request id -> tokens given this iteration
         self._unfit = {}  # tenant -> (head request id, blocks needed) for heads that did not fit
+        # Free blocks not yet promised to running prefills. Slices given to admitted prefills leave
+        # it unchanged (a block leaves the free list and the promise alike); an admission lowers it.
+        self._uncommitted = self.blocks.num_free - self._outstanding_prefill_blocks()
 
         def next_head(tenant: str) -> Sequence | None:
             queue = partials.get(tenant)
@@ -301,13 +308,12 @@ class Scheduler:
         if len(self.running) >= self.max_running:
             return False
         need = self.blocks.blocks_needed(seq, seq.num_uncomputed)
-        free = self.blocks.num_free
+        free = self._uncommitted  # blocks already promised to running prefills are not free
         if self.quota is not None:
             why = self._quota_refusal(seq, need)
             if why is not None:
                 self.quota_waits[seq.tenant_id] = self.quota_waits.get(seq.tenant_id, 0) + 1
                 return False
-            free -= self._outstanding_prefill_blocks()  # blocks already promised to running prefills
         if need > self.gate.available_blocks(seq.tenant_id, seq.request_id, free):
             self._unfit[seq.tenant_id] = (seq.request_id, need)
             return False
@@ -391,6 +397,7 @@ class Scheduler:
         for tenant, (request_id, need) in self._unfit.items():
             if tenant != seq.tenant_id:
                 self.gate.on_skip(tenant, request_id, need, self.stats.iterations)
+        self._uncommitted -= self.blocks.blocks_needed(seq, seq.num_uncomputed)
         queue = self.waiting[seq.tenant_id]
         assert queue[0] is seq
         queue.popleft()
