@@ -230,3 +230,20 @@ def test_memory_flood_workload_side_by_side():
     assert on["victim"]["served"] == off["victim"]["served"] == on["victim"]["requests"]
     assert on["victim"]["ttft_mean"] <= off["victim"]["ttft_mean"]
     assert "| victim |" in table(off, on)
+
+
+def test_engine_snapshot_reports_quota_state():
+    from loadtests.workloads import get_workload
+    from worker.sim.quota_report import DEFAULT_PROFILE
+    from worker.sim.driver import run_workload
+    from worker.sim.runner import IterationTimeModel
+
+    res = run_workload(get_workload("memory-flood"), "vtc", IterationTimeModel.load(DEFAULT_PROFILE),
+                       drain_s=0.0, keep_token_times=False, kv_quota=True)
+    snap = res.engine.snapshot()
+    assert snap["kv_quota"] is True and snap["preemptions"] >= snap["reclaim_preemptions"] >= 0
+    by = {t["tenant_id"]: t for t in snap["tenants"]}
+    assert by["victim"]["kv_soft_quota_blocks"] == by["flood"]["kv_soft_quota_blocks"] == 243
+    assert by["flood"]["kv_hard_cap_blocks"] == 512
+    assert all(isinstance(t["kv_over_quota"], bool) for t in snap["tenants"])
+    assert sum(t["kv_blocks"] for t in snap["tenants"]) == snap["kv_blocks_used"]
