@@ -127,11 +127,15 @@ class Engine:
         self.model = model
         self.config = config or EngineConfig()
         if runner is None:
+            import torch
+
             from worker.engine.model_runner import ModelRunner
 
             num_blocks = self.config.num_kv_blocks
             if num_blocks is None:
-                per_block = ModelRunner.kv_bytes_per_block(model, self.config.block_size, None)
+                # the runner's default dtype: bf16 on CUDA, fp32 on CPU
+                kv_dtype = torch.bfloat16 if str(self.config.device).startswith("cuda") else torch.float32
+                per_block = ModelRunner.kv_bytes_per_block(model, self.config.block_size, kv_dtype)
                 num_blocks = max(1, int(self.config.kv_cache_mb * 2**20 // per_block))
             runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=self.config.block_size,
                                  device=self.config.device)
