@@ -43,21 +43,13 @@ from pathlib import Path
 import grpc
 
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from fairshare.wire import FINISH_ENUMS as _FINISH
+from fairshare.wire import SERVICE_NAME
+from fairshare.wire import TIER_ENUMS as _TIER_ENUMS
+from fairshare.wire import TIER_NAMES as _TIER_NAMES
 from worker.sglang_plugin import tenant as tenant_mod
 
 log = logging.getLogger("fairshare.worker.sglang")
-
-SERVICE_NAME = "fairshare.v1.Worker"
-_TIER_NAMES = {
-    worker_pb2.TIER_UNSPECIFIED: "interactive",
-    worker_pb2.TIER_INTERACTIVE: "interactive",
-    worker_pb2.TIER_BATCH: "batch",
-    worker_pb2.TIER_BACKGROUND: "background",
-}
-_TIER_ENUMS = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TIER_BATCH,
-               "background": worker_pb2.TIER_BACKGROUND}
-_FINISH = {"stop": worker_pb2.FINISH_REASON_STOP, "length": worker_pb2.FINISH_REASON_LENGTH,
-           "abort": worker_pb2.FINISH_REASON_ABORT}
 
 
 class InvalidRequest(ValueError):
