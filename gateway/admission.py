@@ -66,6 +66,23 @@ end
 return 1
 """
 
+_REINSTATE_LUA = """
+-- KEYS: 1 leases zset, 2 leases hash. ARGV: 1 ttl (ms), 2 lease id, 3 tokens. (Re)creates the lease of
+-- a request that is still running but whose lease Redis lost (restarted empty, or expired while
+-- Redis was unreachable), or moves a lease held locally during an outage into Redis. Returns 1 when
+-- the lease had to be created, 0 when it existed (then only its expiry is extended).
+local ttl, id, tokens = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local existed = redis.call('HEXISTS', KEYS[2], id)
+redis.call('ZADD', KEYS[1], now + ttl, id)
+redis.call('HSET', KEYS[2], id, tokens)
+for _, k in ipairs(KEYS) do
+  if redis.call('PTTL', k) < ttl + 1000 then redis.call('PEXPIRE', k, math.ceil(ttl) + 1000) end
+end
+return 1 - existed
+"""
+
 REASONS = {0: "ok", 1: "requests", 2: "tokens", 3: "inflight_tokens", 4: "concurrent_requests",
            5: "tokens_never_fit", 6: "inflight_never_fit"}
 
@@ -115,7 +132,13 @@ class RateLimitState:
 
 @dataclass(eq=False)
 class Lease:
-    """An admitted request's hold on its tenant's limits: `tokens` reserved (TPM and in flight)."""
+    """An admitted request's hold on its tenant's limits: `tokens` reserved (TPM and in flight).
+
+    ``store``: where the in-flight lease is held, ``redis`` or ``local`` (this replica's buckets while
+    Redis is unreachable, see gateway/outage.py); ``tpm_store``: where its TPM reservation was charged
+    (and so where the unused part is refunded). A local lease moves to Redis when Redis returns; its
+    TPM charge stays where it was made. ``lock`` orders the Redis calls made for one lease.
+    """
 
     tenant_id: str
     lease_id: str
@@ -123,6 +146,9 @@ class Lease:
     tpm_limit: int | None
     settled: bool = False
     refunded: int = 0
+    store: str = "redis"
+    tpm_store: str = "redis"
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
 
 @dataclass(frozen=True)
@@ -163,10 +189,11 @@ class Admission:
         self._admit = redis.register_script(_ADMIT_LUA)
         self._settle = redis.register_script(_SETTLE_LUA)
         self._renew = redis.register_script(_RENEW_LUA)
+        self._reinstate = redis.register_script(_REINSTATE_LUA)
 
     async def load(self) -> None:
         """Load the scripts into Redis now, so that each later call is a single EVALSHA round trip."""
-        for script in (self._admit, self._settle, self._renew):
+        for script in (self._admit, self._settle, self._renew, self._reinstate):
             script.sha = await self.redis.script_load(script.script)
 
     def keys(self, tenant_id: str) -> list[str]:
@@ -214,26 +241,47 @@ class Admission:
         lease.settled = True
         refund = max(0, lease.tokens - max(0, int(used_tokens)))
         lease.refunded = refund
-        k = self.keys(lease.tenant_id)
-        had = await self._settle(keys=[k[1], k[2], k[3]], args=[_lim(lease.tpm_limit), lease.lease_id, refund])
+        return await self.release(lease.tenant_id, lease.lease_id, refund, lease.tpm_limit)
+
+    async def release(self, tenant_id: str, lease_id: str, refund: int, tpm_limit: int | None) -> bool:
+        """Remove a lease and, only if it was still held, refund `refund` tokens to the TPM bucket of
+        limit `tpm_limit` (None: no refund). No guard on this side: safe to repeat (a second call finds
+        no lease and refunds nothing). Returns True when the lease was held."""
+        k = self.keys(tenant_id)
+        had = await self._settle(keys=[k[1], k[2], k[3]], args=[_lim(tpm_limit), lease_id, int(refund)])
         return bool(had)
 
     async def renew(self, leases: list[Lease]) -> int:
         """Extend every live lease by the TTL in one pipelined round trip; returns how many were renewed."""
+        return sum(await self.renew_each(leases))
+
+    async def renew_each(self, leases: list[Lease]) -> list[bool]:
+        """Extend every unsettled lease of `leases` by the TTL (one pipelined round trip); for each of
+        them, whether Redis still held it (settled ones are skipped and count as False)."""
         live = [le for le in leases if not le.settled]
+        out = [False] * len(leases)
         if not live:
-            return 0
+            return out
         ttl_ms = int(self.lease_ttl_s * 1000)
         if not isinstance(self.redis, Redis):  # Redis Cluster: one call per lease, each to its slot's node
             res = await asyncio.gather(*(self._renew(keys=self.keys(le.tenant_id)[2:], args=[ttl_ms, le.lease_id])
                                          for le in live))
-            return sum(int(r) for r in res)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for le in live:
-                k = self.keys(le.tenant_id)
-                await self._renew(keys=[k[2], k[3]], args=[ttl_ms, le.lease_id], client=pipe)
-            res = await pipe.execute()
-        return sum(int(r) for r in res)
+        else:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for le in live:
+                    k = self.keys(le.tenant_id)
+                    await self._renew(keys=[k[2], k[3]], args=[ttl_ms, le.lease_id], client=pipe)
+                res = await pipe.execute()
+        renewed = {id(le) for le, r in zip(live, res) if int(r)}
+        return [id(le) in renewed for le in leases]
+
+    async def reinstate(self, lease: Lease) -> bool:
+        """Hold `lease` in Redis again (its tokens, a fresh TTL) whatever Redis remembers of it: for a
+        request that is still running. Returns True when Redis did not hold it."""
+        k = self.keys(lease.tenant_id)
+        created = await self._reinstate(keys=[k[2], k[3]],
+                                        args=[int(self.lease_ttl_s * 1000), lease.lease_id, int(lease.tokens)])
+        return bool(int(created))
 
     async def leases(self, tenant_id: str) -> dict[str, int]:
         """The tenant's unexpired leases: lease id -> tokens (for tests and operators)."""

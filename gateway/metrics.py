@@ -49,6 +49,16 @@ class GatewayMetrics:
         self.admission_latency = Histogram("fairshare_gateway_admission_seconds", "Duration of the admission "
                                            "call (one Redis round trip), by outcome (admitted, rejected, error)",
                                            ["tenant", "outcome"], buckets=_ADMISSION_BUCKETS, registry=r)
+        self.redis_up = Gauge("fairshare_gateway_redis_up", "1 while admission runs on Redis, 0 during an outage "
+                              "(requests then follow their tier's outage policy)", registry=r)
+        self.degraded_admissions = Counter("fairshare_gateway_degraded_admissions", "Requests admitted by this "
+                                           "replica's local buckets while Redis was unreachable", ["tenant"],
+                                           registry=r)
+        self.leases_reinstated = Counter("fairshare_gateway_leases_reinstated", "Leases of running requests that "
+                                         "Redis had lost (restart, expiry during an outage) and that were re-created",
+                                         registry=r)
+        self.leases_moved = Counter("fairshare_gateway_leases_moved", "Leases held locally during a Redis outage "
+                                    "and moved into Redis when it returned", registry=r)
         self.inflight_tokens = Gauge("fairshare_gateway_inflight_tokens", "Tokens reserved by this gateway's "
                                      "admitted, unfinished requests (prompt + n * max_tokens)", ["tenant"],
                                      registry=r)

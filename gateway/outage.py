@@ -1,0 +1,381 @@
+"""Admission that survives Redis outages: a per-tier policy, local buckets, recovery without loss.
+
+`AdmissionControl` is what the app calls to admit and settle. While Redis answers it is a thin layer
+over `gateway.admission.Admission` (one Lua call per request) that also renews the leases of running
+requests. When a Redis call fails (refused, reset, timed out) it marks Redis *down* and, until a PING
+succeeds again (every ``redis_probe_interval_s``), never waits on Redis:
+
+- a tier whose policy is ``fail_closed`` gets 503 (OpenAI-shaped, ``retry-after``) at once;
+- a tier whose policy is ``degrade`` is admitted by `LocalAdmission`: this replica's in-memory
+  buckets with every limit divided by ``gateway_replicas`` (RPM, TPM, in-flight tokens, concurrent
+  requests), so N replicas together stay within the tenant's limits. This replica's own running
+  requests (admitted through Redis before the outage) count against the local in-flight limits.
+- settlements owed to Redis (a lease to release, a TPM refund) are kept and made when it is back.
+
+Recovery (the first PING that succeeds), before any request is admitted through Redis again:
+
+1. the scripts are loaded again (a restarted Redis has none) and every owed release is made; a
+   release refunds only a lease Redis still holds, so a restarted (empty) Redis gets no refunds for
+   reservations it never saw, and a repeated release changes nothing;
+2. the lease of every request still running on this replica is renewed, and re-created where Redis
+   lost it (restarted empty, or expired during the outage): no running request is left without its
+   lease;
+3. every lease held locally moves into Redis (its TPM charge stays in the local bucket that made it,
+   which also receives its refund): after recovery each running request holds exactly one lease,
+   in Redis.
+
+Every Redis call made for one lease (renew, re-create, release) holds that lease's lock, so a
+settlement can never be overtaken by a re-creation of the same lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Callable
+
+from redis.exceptions import RedisError
+
+from fairshare.config import TenantConfig
+
+from .admission import Admission, Decision, Lease, RateLimitState
+
+log = logging.getLogger("fairshare.gateway")
+
+REDIS_ERRORS = (RedisError, OSError)
+
+
+class RedisUnavailable(Exception):
+    """Redis is unreachable and the tenant's tier fails closed. `retry_after_s`: when to try again."""
+
+    def __init__(self, cause: str, retry_after_s: float) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.retry_after_s = retry_after_s
+
+
+class LocalAdmission:
+    """This replica's in-memory admission while Redis is down: each tenant limit divided by `replicas`.
+
+    Buckets refill continuously (capacity ``limit / replicas``, at ``limit / replicas`` per minute);
+    in-flight tokens and concurrent requests count this replica's running requests of the tenant (the
+    local leases plus the Redis-held ones passed as `held`); concurrency is ``max(1, floor(limit /
+    replicas))``. A request that cannot fit the local share at all is refused with 429 (it may fit
+    again when Redis is back), never with 400.
+    """
+
+    def __init__(self, replicas: int = 1, clock: Callable[[], float] = time.monotonic, retry_s: float = 1.0) -> None:
+        self.replicas = max(1, int(replicas))
+        self.clock = clock
+        self.retry_s = retry_s
+        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (tenant, rpm|tpm) -> (tokens, at)
+        self._caps: dict[tuple[str, str], float] = {}
+        self.leases: dict[str, dict[str, Lease]] = {}  # tenant -> lease id -> lease held here
+
+    def share(self, limit: int | None) -> float | None:
+        """A limit's per-replica share (None: unlimited)."""
+        return None if limit is None else limit / self.replicas
+
+    def level(self, tenant_id: str, which: str, cap: float) -> float:
+        """Tokens in a local bucket now (refilled; a bucket never used is full)."""
+        now = self.clock()
+        tokens, at = self._buckets.get((tenant_id, which), (cap, now))
+        return min(cap, tokens + max(0.0, now - at) * cap / 60.0)
+
+    def _store(self, tenant_id: str, which: str, cap: float, tokens: float) -> None:
+        self._caps[(tenant_id, which)] = cap
+        self._buckets[(tenant_id, which)] = (tokens, self.clock())
+
+    def admit(self, tenant: TenantConfig, cost: int, lease_id: str, held: list[Lease] = ()) -> Decision:
+        """Admit against the local share, all or nothing (see the class docstring)."""
+        lim = tenant.limits
+        rpm, tpm = self.share(lim.rpm), self.share(lim.tpm)
+        inflight_cap = self.share(lim.max_inflight_tokens)
+        conc_cap = None if lim.max_concurrent_requests is None else max(
+            1, math.floor(lim.max_concurrent_requests / self.replicas))
+        mine = self.leases.get(tenant.id, {})
+        inflight = sum(le.tokens for le in mine.values()) + sum(le.tokens for le in held if not le.settled)
+        concurrent = len(mine) + sum(1 for le in held if not le.settled)
+        rpm_t = self.level(tenant.id, "rpm", rpm) if rpm is not None else None
+        tpm_t = self.level(tenant.id, "tpm", tpm) if tpm is not None else None
+
+        reason, retry = "ok", 0.0
+        if conc_cap is not None and concurrent + 1 > conc_cap:
+            reason, retry = "concurrent_requests", max(retry, self.retry_s)
+        if inflight_cap is not None and inflight + cost > inflight_cap:
+            reason, retry = "inflight_tokens", max(retry, self.retry_s)
+        if tpm is not None and tpm_t < cost:
+            reason = "tokens"
+            retry = max(retry, (cost - tpm_t) / (tpm / 60.0) if cost <= tpm else self.retry_s)
+        if rpm is not None and rpm_t < 1:
+            reason, retry = "requests", max(retry, (1 - rpm_t) / (rpm / 60.0))
+        admitted = reason == "ok"
+        if admitted:
+            if rpm is not None:
+                rpm_t -= 1
+                self._store(tenant.id, "rpm", rpm, rpm_t)
+            if tpm is not None:
+                tpm_t -= cost
+                self._store(tenant.id, "tpm", tpm, tpm_t)
+        state = RateLimitState(
+            rpm_limit=None if rpm is None else math.floor(rpm),
+            rpm_remaining=None if rpm is None else math.floor(rpm_t),
+            rpm_reset_s=0.0 if rpm is None else (rpm - rpm_t) / (rpm / 60.0),
+            tpm_limit=None if tpm is None else math.floor(tpm),
+            tpm_remaining=None if tpm is None else math.floor(tpm_t),
+            tpm_reset_s=0.0 if tpm is None else (tpm - tpm_t) / (tpm / 60.0))
+        lease = None
+        if admitted:
+            lease = Lease(tenant.id, lease_id, int(cost), lim.tpm, store="local", tpm_store="local")
+            self.leases.setdefault(tenant.id, {})[lease_id] = lease
+            inflight += cost
+            concurrent += 1
+        return Decision(admitted, reason, state, retry, int(inflight), concurrent, lease)
+
+    def refund(self, lease: Lease, tokens: int) -> None:
+        """Give `tokens` back to the local TPM bucket that charged `lease` (capped at its capacity)."""
+        cap = self._caps.get((lease.tenant_id, "tpm"))
+        if cap is None or tokens <= 0:
+            return
+        self._store(lease.tenant_id, "tpm", cap, min(cap, self.level(lease.tenant_id, "tpm", cap) + tokens))
+
+    def drop(self, lease: Lease) -> None:
+        """Stop holding `lease` here (settled, or moved into Redis)."""
+        mine = self.leases.get(lease.tenant_id)
+        if mine is not None:
+            mine.pop(lease.lease_id, None)
+            if not mine:
+                del self.leases[lease.tenant_id]
+
+    def held(self) -> list[Lease]:
+        """Every lease held locally."""
+        return [le for mine in self.leases.values() for le in mine.values()]
+
+    def bucket(self, tenant_id: str, which: str) -> tuple[float, float] | None:
+        """(tokens now, capacity) of a local bucket, or None when it was never used."""
+        cap = self._caps.get((tenant_id, which))
+        return None if cap is None else (self.level(tenant_id, which, cap), cap)
+
+
+class AdmissionControl:
+    """Admission, settlement and lease renewal across Redis outages (see the module docstring).
+
+    policy(tier) -> ``fail_closed`` | ``degrade``. `metrics`: a `GatewayMetrics` (optional).
+    """
+
+    def __init__(self, admission: Admission, policy: Callable[[object], str], *, replicas: int = 1,
+                 probe_interval_s: float = 0.5, renew_interval_s: float | None = None, metrics=None) -> None:
+        self.admission = admission
+        self.policy = policy
+        self.local = LocalAdmission(replicas, retry_s=max(1.0, probe_interval_s))
+        self.probe_interval_s = probe_interval_s
+        self.renew_interval_s = renew_interval_s or max(0.05, admission.lease_ttl_s / 3)
+        self.metrics = metrics
+        self.up = True
+        self.down_since: float | None = None
+        self.outages = 0
+        self.live: dict[str, Lease] = {}  # leases of this replica not yet released, by lease id
+        self.owed: dict[str, tuple[str, int, int | None]] = {}  # Redis releases to make: id -> (tenant, refund, tpm)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._recover_lock = asyncio.Lock()
+        self._gauge()
+
+    @property
+    def lease_ttl_s(self) -> float:
+        return self.admission.lease_ttl_s
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.redis_up.set(1 if self.up else 0)
+
+    def retry_after_s(self) -> float:
+        """What a fail-closed 503 tells the client (at least 1 s)."""
+        return max(1.0, self.probe_interval_s)
+
+    def went_down(self, err: BaseException) -> None:
+        """Record a failed Redis call: from now on requests take their tier's outage policy."""
+        if self.metrics is not None:
+            self.metrics.redis_errors.inc()
+        if not self.up:
+            return
+        self.up = False
+        self.down_since = time.monotonic()
+        self.outages += 1
+        self._gauge()
+        log.error("Redis is unreachable (%s: %s); until it answers, tiers with policy 'degrade' are admitted "
+                  "against this replica's buckets at limit/%d, the others get 503", type(err).__name__, err,
+                  self.local.replicas)
+        self._wake.set()
+
+    # -- admission ---------------------------------------------------------------------------------
+    async def admit(self, tenant: TenantConfig, cost: int, lease_id: str) -> Decision:
+        """Admit through Redis, or by the tier's outage policy while Redis is down.
+
+        Raises RedisUnavailable when Redis is down and the tier fails closed.
+        """
+        if self.up:
+            try:
+                d = await self.admission.admit(tenant, cost, lease_id=lease_id)
+            except REDIS_ERRORS as e:
+                self.went_down(e)
+                # the call may have been applied before the connection broke: release it (with a full
+                # refund, made only if Redis holds that lease) once Redis answers again
+                self.owed[lease_id] = (tenant.id, int(cost), tenant.limits.tpm)
+                cause = type(e).__name__
+            else:
+                if d.lease is not None:
+                    self.live[d.lease.lease_id] = d.lease
+                return d
+        else:
+            cause = "down"
+        if self.policy(tenant.tier) == "degrade":
+            held = [le for le in self.live.values() if le.tenant_id == tenant.id and le.store == "redis"]
+            d = self.local.admit(tenant, cost, lease_id, held)
+            if d.lease is not None:
+                self.live[d.lease.lease_id] = d.lease
+                if self.metrics is not None:
+                    self.metrics.degraded_admissions.labels(tenant.id).inc()
+            return d
+        raise RedisUnavailable(cause, self.retry_after_s())
+
+    async def peek(self, tenant: TenantConfig) -> Decision | None:
+        """The tenant's Redis buckets (for headers), or None while Redis is down or failing."""
+        if not self.up:
+            return None
+        try:
+            return await self.admission.peek(tenant)
+        except REDIS_ERRORS as e:
+            self.went_down(e)
+            return None
+
+    async def settle(self, lease: Lease, used_tokens: int) -> None:
+        """Release `lease` and refund ``tokens - used`` to the bucket that charged it; exactly once.
+        Never raises for Redis failures (the release is owed and made when Redis is back)."""
+        async with lease.lock:
+            if lease.settled:
+                return
+            lease.settled = True
+            try:
+                refund = max(0, lease.tokens - max(0, int(used_tokens)))
+                lease.refunded = refund
+                if lease.tpm_store == "local":
+                    self.local.refund(lease, refund)
+                if lease.store == "local":
+                    self.local.drop(lease)
+                    return
+                redis_refund, tpm = (refund, lease.tpm_limit) if lease.tpm_store == "redis" else (0, None)
+                if self.up:
+                    try:
+                        await self.admission.release(lease.tenant_id, lease.lease_id, redis_refund, tpm)
+                        return
+                    except REDIS_ERRORS as e:
+                        self.went_down(e)
+                self.owed[lease.lease_id] = (lease.tenant_id, redis_refund, tpm)
+            finally:
+                self.live.pop(lease.lease_id, None)  # held until released (or the release is owed)
+
+    # -- renewal and recovery ----------------------------------------------------------------------
+    async def _hold_in_redis(self, lease: Lease) -> None:
+        """(Re)create `lease` in Redis (running request whose lease Redis lost, or a local lease moving
+        into Redis). Raises Redis errors."""
+        async with lease.lock:
+            if lease.settled:
+                return
+            created = await self.admission.reinstate(lease)
+            if lease.store == "local":
+                self.local.drop(lease)
+                lease.store = "redis"
+                if self.metrics is not None:
+                    self.metrics.leases_moved.inc()
+            elif created:
+                log.warning("lease %s of tenant %s was lost by Redis; re-created (%d tokens)", lease.lease_id,
+                            lease.tenant_id, lease.tokens)
+                if self.metrics is not None:
+                    self.metrics.leases_reinstated.inc()
+
+    async def renew_all(self) -> None:
+        """Renew every Redis-held lease of a running request; re-create those Redis lost. Raises Redis errors."""
+        leases = [le for le in self.live.values() if le.store == "redis" and not le.settled]
+        if not leases:
+            return
+        held = await self.admission.renew_each(leases)
+        for le, ok in zip(leases, held):
+            if not ok and not le.settled:
+                await self._hold_in_redis(le)
+
+    async def recover(self) -> bool:
+        """Try Redis; if it answers, settle what is owed, restore every lease and reopen. True when up."""
+        async with self._recover_lock:
+            if self.up:
+                return True
+            try:
+                pool = getattr(self.admission.redis, "connection_pool", None)
+                if pool is not None:  # connections to the old server are dead: do not hand them out again
+                    await pool.disconnect()
+                await self.admission.redis.ping()
+                await self.admission.load()
+                await self.renew_all()
+                # requests settled or admitted locally meanwhile add to these: loop until both are empty
+                while True:
+                    if self.owed:
+                        lid, (tid, refund, tpm) = next(iter(self.owed.items()))
+                        await self.admission.release(tid, lid, refund, tpm)
+                        self.owed.pop(lid, None)
+                        continue
+                    moving = next((le for le in self.live.values() if le.store == "local" and not le.settled), None)
+                    if moving is None:
+                        break
+                    await self._hold_in_redis(moving)
+            except REDIS_ERRORS as e:
+                log.debug("Redis still unreachable: %s", type(e).__name__)
+                return False
+            down_for = time.monotonic() - (self.down_since or time.monotonic())
+            self.up = True  # no await since the last check: no local lease or owed release is left
+            self.down_since = None
+            self._gauge()
+            log.warning("Redis is reachable again after %.1f s; leases restored, admission back on Redis", down_for)
+            return True
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self.up:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout=self.renew_interval_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    if self.up:
+                        try:
+                            await self.renew_all()
+                        except REDIS_ERRORS as e:
+                            self.went_down(e)
+                else:
+                    await asyncio.sleep(self.probe_interval_s)
+                    await self.recover()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("lease renewal / Redis probe failed")
+                await asyncio.sleep(self.probe_interval_s)
+
+    def start(self) -> None:
+        """Start renewing leases (and probing Redis while it is down) on the running loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="admission-control")
+
+    async def stop(self) -> None:
+        """Stop the background task."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+
+__all__ = ["AdmissionControl", "LocalAdmission", "RedisUnavailable"]
