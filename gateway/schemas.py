@@ -3,7 +3,14 @@
 Requests are validated with these models; `gateway.errors.from_validation_error` turns a failure into
 a 400 ``invalid_request_error`` whose ``param`` names the field (``messages``, ``messages.[0].role``).
 Parameters the platform cannot honour are refused with a clear 400 rather than silently ignored.
-Unknown extra fields are ignored (clients send vendor extensions through ``extra_body``).
+
+The app validates bodies strictly (`validate_request`): JSON types are not coerced (``"10"`` is not
+an integer, ``1`` is not a boolean) and a field these models do not declare is refused with 400
+``unknown_parameter``, at the top level, in ``messages[i]``, in content parts and in
+``stream_options``. Two fields are accepted and ignored on purpose: ``tenant`` and
+``cache_namespace`` (`IGNORED_IDENTITY_FIELDS`): identity always comes from the API key, never from
+the body, and clients written for other gateways send them. (The models themselves ignore unknown
+fields, so they can also parse bodies leniently.)
 
 Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``cache_salt`` (splits the
 tenant's own prefix-cache namespace, never reaches another tenant's).
@@ -21,11 +28,17 @@ from .errors import APIError, invalid_request
 # -- requests -------------------------------------------------------------------------------------
 
 
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_TOKEN_IDS = 256
+IGNORED_IDENTITY_FIELDS = frozenset({"tenant", "cache_namespace"})
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk with ``choices: []`` and the usage."""
 
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; no obfuscation padding is sent
 
 
 class TextPart(BaseModel):
@@ -54,6 +67,12 @@ class ChatMessage(BaseModel):
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
     tool_call_id: str | None = None
+    # fields of assistant messages that clients send back as they received them (not rendered)
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    annotations: list[dict[str, Any]] | None = None
 
     def text(self) -> str:
         """The message content as plain text (text parts joined)."""
@@ -82,10 +101,13 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None  # accepted (only meaningful with store, which is refused)
+    store: bool | None = None
+    service_tier: str | None = None
     # extensions
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # <= 0: disabled
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     cache_salt: str | None = Field(default=None, max_length=512)
 
     @field_validator("stop")
@@ -94,8 +116,8 @@ class _SamplingFields(BaseModel):
         if v is None:
             return v
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty")
         return v
@@ -134,6 +156,12 @@ class _SamplingFields(BaseModel):
                                   "presence_penalty", "unsupported_value")
         if self.logit_bias:
             raise invalid_request("logit_bias is not supported by this server.", "logit_bias", "unsupported_value")
+        if self.store:
+            raise invalid_request("store is not supported by this server (completions are never stored).", "store",
+                                  "unsupported_value")
+        if self.service_tier not in (None, "auto", "default"):
+            raise invalid_request("Only service_tier 'auto' or 'default' is supported by this server.",
+                                  "service_tier", "unsupported_value")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -146,7 +174,17 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     functions: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    prompt_cache_key: str | None = Field(default=None, max_length=1024)  # a routing hint: accepted, unused
+    safety_identifier: str | None = None
 
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` if given, else ``max_tokens`` (output tokens per choice)."""
@@ -162,6 +200,15 @@ class ChatCompletionRequest(_SamplingFields):
             raise invalid_request("functions are not supported by this server.", "functions", "unsupported_value")
         if self.tool_choice not in (None, "none", "auto"):
             raise invalid_request("tool_choice is not supported by this server.", "tool_choice", "unsupported_value")
+        if self.function_call not in (None, "none", "auto"):
+            raise invalid_request("function_call is not supported by this server.", "function_call",
+                                  "unsupported_value")
+        if self.modalities not in (None, [], ["text"]):
+            raise invalid_request("Only the text modality is supported by this server.", "modalities",
+                                  "unsupported_value")
+        for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
+            if getattr(self, name) is not None:
+                raise invalid_request(f"{name} is not supported by this server.", name, "unsupported_value")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise invalid_request("Only response_format {\"type\": \"text\"} is supported by this server.",
                                   "response_format", "unsupported_value")
@@ -189,6 +236,61 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+def unknown_parameter(param: str) -> APIError:
+    """400 for a field the API does not define (OpenAI's wording)."""
+    return invalid_request(f"Unrecognized request argument supplied: {param}", param, "unknown_parameter")
+
+
+def _check_fields(obj: Any, model: type[BaseModel], where: str, ignored: frozenset = frozenset()) -> None:
+    if isinstance(obj, dict):
+        for k in obj:
+            if k not in model.model_fields and k not in ignored:
+                raise unknown_parameter(f"{where}{k}" if where else str(k))
+
+
+def check_known_fields(body: dict[str, Any], kind: str) -> None:
+    """Raise 400 ``unknown_parameter`` for the first field the request schema does not declare (top
+    level, ``stream_options``, ``messages[i]`` and its text content parts). Fields of the wrong type
+    are left to validation."""
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    _check_fields(body, model, "", IGNORED_IDENTITY_FIELDS)
+    _check_fields(body.get("stream_options"), StreamOptions, "stream_options.")
+    messages = body.get("messages") if kind == "chat" else None
+    if isinstance(messages, list):
+        for i, m in enumerate(messages):
+            _check_fields(m, ChatMessage, f"messages.[{i}].")
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if isinstance(part, dict) and part.get("type") == "text":
+                        _check_fields(part, TextPart, f"messages.[{i}].content.[{j}].")
+
+
+def integral_floats_to_int(body: Any) -> Any:
+    """`body` with every float that has an integral value (``2.0``) made an int, in place: JSON has one
+    number type and JSON Schema counts ``2.0`` as an integer, so strict validation must too
+    (``2.5`` stays a float and is refused where an integer is expected). Iterative: any depth."""
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for k, v in list(items):
+            if isinstance(v, float) and v.is_integer():
+                node[k] = int(v)
+            elif isinstance(v, (dict, list)):
+                stack.append(v)
+    return body
+
+
+def validate_request(body: dict[str, Any], kind: str) -> "ChatCompletionRequest | CompletionRequest":
+    """The request model of `body`, validated strictly: no type coercion (``"10"`` is not an integer,
+    ``1`` is not a boolean; ``10.0`` is the integer 10, as in JSON Schema), no unknown fields.
+    Raises APIError 400 (unknown field) or pydantic.ValidationError."""
+    check_known_fields(body, kind)
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    return model.model_validate(integral_floats_to_int(body), strict=True)
 
 
 class CompletionRequest(_SamplingFields):
