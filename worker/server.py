@@ -3,8 +3,17 @@
 Each `Generate` call registers its request with the engine and relays the engine's outputs
 (delivered on the engine thread) through an asyncio queue. When the client cancels the stream
 (gateway disconnect, deadline), the handler is cancelled and the request is aborted, which frees
-its KV blocks. SIGTERM drains: health goes NOT_SERVING, new requests get UNAVAILABLE, in-flight
-ones may finish until the drain deadline, then the rest are aborted.
+its KV blocks. SIGTERM drains: health goes NOT_SERVING (and ``GetLoad.draining``), new requests get
+UNAVAILABLE (the gateway retries them on another worker), in-flight ones may finish until the drain
+deadline (``--drain-timeout``), then the rest are aborted (their streams end with finish reason
+ABORT, which the gateway turns into an OpenAI error) and the process exits; a second SIGTERM/SIGINT
+cuts the drain short.
+
+Fault injection, for tests only: with ``FAIRSHARE_WORKER_TEST_FAULTS=1`` in the worker's environment
+(never set it in a deployment), a request whose ``cache_salt`` is ``fault:reject`` is refused with
+INVALID_ARGUMENT (as the engine refuses an invalid request, after the gateway admitted it), and one
+whose ``cache_salt`` is ``fault:error-after:N`` fails with INTERNAL after N output messages (an
+upstream error in the middle of a stream). tests/reliability uses them; docs/reliability.md.
 
 Observability (docs/observability.md): each call is a ``worker.generate`` span continuing the trace
 context the gateway put in the gRPC metadata, with queue / prefill / decode children
@@ -18,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 import uuid
 
@@ -75,6 +85,22 @@ def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
     return msg
 
 
+TEST_FAULTS_ENV = "FAIRSHARE_WORKER_TEST_FAULTS"
+
+
+def _test_fault(request) -> tuple[str, int] | None:
+    """("reject", 0) or ("error-after", N) when test faults are enabled and the request asks for one."""
+    salt = request.cache_salt
+    if not salt.startswith("fault:") or os.environ.get(TEST_FAULTS_ENV) != "1":
+        return None
+    kind, _, n = salt[len("fault:"):].partition(":")
+    if kind == "reject":
+        return "reject", 0
+    if kind == "error-after":
+        return "error-after", int(n or 0)
+    return None
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Implements the Worker service on top of an `Engine` (whose loop thread is started here).
 
@@ -116,6 +142,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rt = RequestTrace(self.tracer, context.invocation_metadata(), request_id, tenant.id,
                           prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
                           tier=tier)
+        fault = _test_fault(request)
+        if fault is not None and fault[0] == "reject":
+            rt.end("rejected")
+            self.metrics.observe_finish(tenant.id, "rejected")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "injected test fault: request rejected")
         try:
             self.engine.add_request(
                 request_id, tenant.id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
@@ -132,6 +163,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         end_ns = None
         last_token_at: float | None = None
         final: RequestOutput | None = None
+        sent = 0
         try:
             while True:
                 out, at, at_ns = await queue.get()
@@ -146,7 +178,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finished = True
                     outcome, end_ns, final = "error", at_ns, out
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                if fault is not None and fault[0] == "error-after" and sent >= fault[1]:
+                    outcome = "error"
+                    await context.abort(grpc.StatusCode.INTERNAL, "injected test fault: error mid-stream")
                 yield _to_proto(out)
+                sent += 1
                 if out.finish_reason is not None:
                     finished = True
                     outcome, end_ns, final = _FINISH_NAMES[out.finish_reason], at_ns, out
@@ -217,17 +253,26 @@ async def serve(engine: Engine, model_name: str, host: str, port: int, drain_tim
               f"{engine.block_manager.num_blocks} KV blocks of {engine.block_manager.block_size} tokens)", flush=True)
 
     stop = asyncio.Event()
+    hurry = asyncio.Event()  # a second signal: stop draining now
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
     servicer.draining = True
     for svc in ("", SERVICE_NAME):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("draining: %d request(s) in flight may finish for %.1f s", len(servicer.live), drain_timeout_s)
     deadline = loop.time() + drain_timeout_s
-    while servicer.live and loop.time() < deadline:
-        await asyncio.sleep(0.1)
-    engine.shutdown()
+    while servicer.live and loop.time() < deadline and not hurry.is_set():
+        await asyncio.sleep(0.05)
+    if servicer.live:
+        log.warning("drain %s: aborting %d request(s) still in flight", "cut short" if hurry.is_set()
+                    else "deadline reached", len(servicer.live))
+    engine.shutdown()  # aborts what is left: each stream ends with finish_reason ABORT
     await server.stop(grace=2.0)
     servicer.metrics.stop()
     if tracer_provider is not None:
