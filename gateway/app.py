@@ -19,8 +19,10 @@ admission, routing, each worker call (whose context the worker continues) and st
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -34,6 +36,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
@@ -43,11 +46,14 @@ from fairshare.telemetry import make_tracer_provider
 from fairshare.v1 import worker_pb2 as pb
 
 from . import schemas
-from .admission import Admission, Decision, Lease, LeaseKeeper
-from .auth import Principal, TenantDirectory
+from .admission import Admission, Decision, Lease
+from .auth import Principal, TenantDirectory, bearer_key
 from .config import GatewaySettings
-from .errors import APIError, from_validation_error, install_handlers, invalid_request, model_not_found, unavailable
+from .errors import (APIError, from_validation_error, install_handlers, invalid_request, model_not_found, unavailable,
+                     upstream_timeout)
 from .metrics import UNKNOWN_TENANT, GatewayMetrics
+from .openapi import openapi_document
+from .outage import AdmissionControl, RedisUnavailable
 from .routing import Generation, ModelEntry, WorkerPool, start_generation
 from .sse import DONE, SSEResponse, event
 from .tokenization import TemplateError, load_tokenizer_dir
@@ -67,11 +73,30 @@ class Gateway:
     directory: TenantDirectory
     redis: Redis | RedisCluster
     admission: Admission
-    keeper: LeaseKeeper
+    control: AdmissionControl
     pool: WorkerPool
     metrics: GatewayMetrics
     live: set["Session"] = field(default_factory=set)
     tracer: trace.Tracer = field(default_factory=gateway_tracer)
+    draining: bool = False  # SIGTERM received: new requests get 503, open ones finish until the deadline
+    _drain_task: asyncio.Task | None = None
+
+    def begin_drain(self, deadline_s: float) -> None:
+        """Stop admitting; after `deadline_s` seconds stop every request still open (streams get an
+        error event, others a 503). Call on the event loop."""
+        if self.draining:
+            return
+        self.draining = True
+        log.warning("draining: %d request(s) open; they may finish for %.1f s", len(self.live), deadline_s)
+
+        async def deadline() -> None:
+            await asyncio.sleep(deadline_s)
+            if self.live:
+                log.warning("drain deadline reached: stopping %d open request(s)", len(self.live))
+            for s in list(self.live):
+                s.stop("The gateway is shutting down; the request was stopped before it finished. Please retry.")
+
+        self._drain_task = asyncio.ensure_future(deadline())
 
 
 # -- one request's generation and settlement --------------------------------------------------------
@@ -90,6 +115,7 @@ class Job:
     completion_tokens: int = 0
     finish_reason: str | None = None
     usage: pb.Usage | None = None
+    error: grpc.aio.AioRpcError | None = None  # how its stream failed, if it did
 
 
 class Session:
@@ -109,6 +135,10 @@ class Session:
         self.t0 = t0
         self.finished = False
         self.client_gone = False
+        self.stop_reason: str | None = None  # set by stop(): the server ends the request (drain deadline)
+        self.stopped = asyncio.Event()
+        timeout = gw.settings.request_timeout_s
+        self.deadline: float | None = None if timeout is None else time.monotonic() + timeout
         self._settle_task: asyncio.Task | None = None
         self.first_token_at: float | None = None
         self.trace_ctx = otel_context.get_current()  # the request span's context: parent of worker calls
@@ -171,6 +201,17 @@ class Session:
             if j.gen is not None:
                 j.gen.cancel()
 
+    def stop(self, reason: str) -> None:
+        """End the request from the server side (the gateway is shutting down): cancel its gRPC streams;
+        the client gets an OpenAI error (an SSE ``data:`` error event, or a 503 body)."""
+        if self.finished or self.client_gone or self.stop_reason is not None:
+            return
+        self.stop_reason = reason
+        self.stopped.set()
+        for j in self.jobs:
+            if j.gen is not None:
+                j.gen.cancel()
+
     async def settle(self) -> None:
         """Cancel what still runs, refund unused TPM and release the lease; idempotent, and completes
         even when the caller is cancelled."""
@@ -184,7 +225,6 @@ class Session:
         for j in self.jobs:
             if j.gen is not None:
                 j.gen.close()
-        self.gw.keeper.discard(self.lease)
         self.gw.live.discard(self)
         p, c, k = self.usage()
         used = p + c
@@ -195,12 +235,11 @@ class Session:
         m.tokens.labels(self.tenant.id, self.model, "prompt").inc(p)
         m.tokens.labels(self.tenant.id, self.model, "completion").inc(c)
         m.tokens.labels(self.tenant.id, self.model, "cached").inc(k)
-        try:
-            await self.gw.admission.settle(self.lease, used)
-        except (RedisError, OSError):
-            m.redis_errors.inc()
+        try:  # never raises for Redis failures: an unreachable Redis is settled with when it returns
+            await self.gw.control.settle(self.lease, used)
+        except Exception:
             log.exception("settlement of %s failed; the lease expires in %.0f s", self.rid,
-                          self.gw.admission.lease_ttl_s)
+                          self.gw.control.lease_ttl_s)
 
     def _end_spans(self, prompt: int, completion: int, cached: int) -> None:
         span = self.stream_span
@@ -229,20 +268,45 @@ async def _json_body(request: Request, limit: int) -> tuple[dict[str, Any], int]
         raise APIError(413, f"Request body too large: at most {limit} bytes.", "invalid_request_error", None,
                        "request_too_large")
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise APIError(413, f"Request body too large: at most {limit} bytes.", "invalid_request_error", None,
-                           "request_too_large")
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > limit:
+                raise APIError(413, f"Request body too large: at most {limit} bytes.", "invalid_request_error", None,
+                               "request_too_large")
+    except ClientDisconnect:
+        raise APIError(499, "Client closed the request.", "invalid_request_error", None,
+                       "client_closed_request") from None
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise invalid_request(f"The request body is not valid UTF-8 (invalid byte at offset {e.start}).", None,
+                              "invalid_encoding") from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise invalid_request("The JSON body of your request is nested too deeply.", None, "invalid_json") from None
+    except ValueError:
         raise invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
                               "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
                               None, "invalid_json") from None
     if not isinstance(body, dict):
         raise invalid_request("The request body must be a JSON object.", None, "invalid_json")
+    if _SURROGATE_ESCAPE.search(text):  # "\ud800" parses to a lone surrogate, which is not text
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid_request("The request body contains an invalid Unicode escape (a lone surrogate).", None,
+                                  "invalid_encoding") from None
+        except RecursionError:
+            raise invalid_request("The JSON body of your request is nested too deeply.", None,
+                                  "invalid_json") from None
     return body, len(raw)
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _context_error(ctx: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
@@ -325,48 +389,62 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        t = settings.redis_timeout_s
         if settings.redis_cluster:
-            redis = RedisCluster.from_url(settings.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+            redis = RedisCluster.from_url(settings.redis_url, socket_timeout=t, socket_connect_timeout=t)
         else:
-            redis = Redis.from_url(settings.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0,
+            redis = Redis.from_url(settings.redis_url, socket_timeout=t, socket_connect_timeout=t,
                                    health_check_interval=30)
         admission = Admission(redis, prefix=settings.key_prefix, lease_ttl_s=settings.lease_ttl_s)
+        control = AdmissionControl(admission, settings.outage_policy, replicas=settings.gateway_replicas,
+                                   probe_interval_s=settings.redis_probe_interval_s, metrics=metrics)
         try:
             await admission.load()
         except (RedisError, OSError) as e:
-            log.error("Redis at %s is not reachable yet (%s); admission will retry per request", settings.redis_url, e)
-        keeper = LeaseKeeper(admission)
-        keeper.start()
+            log.error("Redis at %s is not reachable yet (%s); admission will retry per request", settings.redis_url,
+                      type(e).__name__)
+        control.start()
+        admin = None
+        if settings.metrics_port:
+            from prometheus_client import start_http_server
+
+            admin, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
+            log.info("gateway metrics on http://%s:%d/metrics", settings.metrics_host, admin.server_port)
         pool = WorkerPool(settings.workers, health_interval_s=settings.health_interval_s,
                           health_timeout_s=settings.health_timeout_s, local_tokenizer=local_tok, metrics=metrics)
         await pool.start(wait_s=0.0)
         await pool.poll_once()
-        app.state.gw = Gateway(settings, directory, redis, admission, keeper, pool, metrics, tracer=tracer)
+        app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer)
         try:
             yield
         finally:
-            for s in list(app.state.gw.live):
-                s.on_client_gone()
+            gw = app.state.gw
+            for s in list(gw.live):
+                s.stop("The gateway is shutting down; the request was stopped before it finished. Please retry.")
                 await s.settle()
+            if gw._drain_task is not None:
+                gw._drain_task.cancel()
             await pool.stop()
-            await keeper.stop()
+            await control.stop()
             await redis.aclose()
+            if admin is not None:
+                admin.shutdown()
+                admin.server_close()
             if owned_provider is not None:
                 owned_provider.shutdown()  # flushes batched spans
 
     app = FastAPI(title="FairShare gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     install_handlers(app)
+    metrics_token = settings.metrics_token_value()
+    openapi_doc = openapi_document()
 
     def gw_of(request: Request) -> Gateway:
         return request.app.state.gw
 
     async def headers_for(gw: Gateway, tenant: TenantConfig) -> dict[str, str]:
-        """Current rate-limit headers (a read-only Redis call); {} when Redis fails."""
-        try:
-            return (await gw.admission.peek(tenant)).state.headers()
-        except (RedisError, OSError):
-            gw.metrics.redis_errors.inc()
-            return {}
+        """Current rate-limit headers (a read-only Redis call); {} when Redis is down."""
+        d = await gw.control.peek(tenant)
+        return {} if d is None else d.state.headers()
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -381,17 +459,34 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
             redis_ok = bool(await gw.redis.ping())
         except (RedisError, OSError):
             redis_ok = False
-        ready = redis_ok and gw.pool.ready()
-        body = {"ready": ready, "redis": redis_ok, "workers": workers, "models": gw.pool.model_names()}
+        # without Redis a replica still serves when some tier degrades to local buckets
+        degraded = not redis_ok and any(gw.settings.outage_policy(t) == "degrade" for t in Tier)
+        ready = (redis_ok or degraded) and gw.pool.ready() and not gw.draining
+        body = {"ready": ready, "redis": redis_ok, "degraded": degraded, "draining": gw.draining,
+                "workers": workers, "models": gw.pool.model_names()}
         if not ready:
-            err = unavailable("not ready: " + ("Redis unreachable" if not redis_ok else "no worker serving")).body()
-            body.update(err)
+            why = ("draining" if gw.draining else "Redis unreachable" if not (redis_ok or degraded)
+                   else "no worker serving")
+            body.update(unavailable("not ready: " + why).body())
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def prom(request: Request) -> Response:
+        """Every tenant's figures: only for operators. Served here when ``public_metrics`` is set or
+        to the bearer of ``metrics_token``; otherwise on the admin listener (``metrics_port``)."""
         gw = gw_of(request)
+        if not settings.public_metrics:
+            given = bearer_key(request.headers.get("authorization")) or ""
+            if not (metrics_token and hmac.compare_digest(given.encode(), metrics_token.encode())):
+                where = (f"the admin listener (port {settings.metrics_port})" if settings.metrics_port
+                         else "the admin listener (--metrics-port)")
+                raise APIError(403, f"Metrics are not served to API clients on this port; operators scrape {where}"
+                               " or send the metrics token.", "invalid_request_error", None, "metrics_forbidden")
         return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(openapi_doc)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -448,11 +543,10 @@ async def _serve(gw: Gateway, request: Request, kind: str):
         try:
             resp = await _admit_and_start(gw, request, kind, principal, t0)
         except APIError as e:
-            if e.status != 429 and not any(k.startswith("x-ratelimit") for k in e.headers):
-                try:
-                    e.headers = {**(await gw.admission.peek(tenant)).state.headers(), **e.headers}
-                except (RedisError, OSError):
-                    m.redis_errors.inc()
+            if e.status not in (429, 503) and not any(k.startswith("x-ratelimit") for k in e.headers):
+                d = await gw.control.peek(tenant)
+                if d is not None:
+                    e.headers = {**d.state.headers(), **e.headers}
             m.requests.labels(tenant.id, endpoint, str(e.status)).inc()
             end_request_span(span, e.status, e.code)
             ended = True
@@ -482,10 +576,12 @@ async def _serve(gw: Gateway, request: Request, kind: str):
 async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: Principal, t0: float):
     """Validate, tokenize, admit and start. Returns (session, dict body | event iterator)."""
     tenant = principal.tenant
+    if gw.draining:
+        raise unavailable("The gateway is shutting down; please retry (another replica will serve you).",
+                          retry_after_s=1)
     body, size = await _json_body(request, gw.settings.max_body_bytes)
-    model_cls = schemas.ChatCompletionRequest if kind == "chat" else schemas.CompletionRequest
     try:
-        req = model_cls.model_validate(body)
+        req = schemas.validate_request(body, kind)
     except ValidationError as e:
         raise from_validation_error(list(e.errors())) from None
     req.refuse_unsupported()
@@ -502,6 +598,10 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
         if tenant.may_use(model) and (model in gw.pool.models or not gw.pool.models):
             raise unavailable(f"No worker is serving model `{model}` right now.")
         raise model_not_found(model)
+
+    if req.stop_token_ids and max(req.stop_token_ids) >= entry.tokenizer.vocab_size():
+        raise invalid_request(f"Invalid token id in 'stop_token_ids': ids must be < {entry.tokenizer.vocab_size()}.",
+                              "stop_token_ids", "invalid_value")
 
     # tokenize (large inputs on a thread, so the event loop keeps streaming other requests)
     param = "messages" if kind == "chat" else "prompt"
@@ -560,12 +660,12 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
                                          attributes={"fairshare.cost_tokens": cost}) as adm_span:
         ta = time.perf_counter()
         try:
-            decision = await gw.admission.admit(tenant, cost, lease_id=rid)
-        except (RedisError, OSError) as e:
+            decision = await gw.control.admit(tenant, cost, lease_id=rid)
+        except RedisUnavailable as e:  # Redis is down and this tier fails closed
             m.admission_latency.labels(tenant.id, "error").observe(time.perf_counter() - ta)
-            m.redis_errors.inc()
-            set_error(adm_span, type(e).__name__)
-            raise unavailable(f"The rate limiter is unavailable ({type(e).__name__}); please retry.") from None
+            set_error(adm_span, "redis_unavailable")
+            raise unavailable(f"The rate limiter is unavailable (Redis {e.cause}); please retry.",
+                              retry_after_s=e.retry_after_s) from None
         m.admission_latency.labels(tenant.id, "admitted" if decision.admitted else "rejected").observe(
             time.perf_counter() - ta)
         if adm_span.is_recording():
@@ -580,14 +680,13 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
         raise _rate_limit_error(tenant, model, decision, cost)
     lease = decision.lease
     assert lease is not None
-    gw.keeper.add(lease)
     m.inflight.labels(tenant.id).inc()
     m.inflight_tokens.labels(tenant.id).inc(lease.tokens)
 
     jobs: list[Job] = []
     for g, p in enumerate(prompts):
         for i in range(n):
-            seed = None if req.seed is None else req.seed + i
+            seed = None if req.seed is None else (req.seed + i + 2**63) % 2**64 - 2**63  # stays an int64
             jobs.append(Job(index=g * n + i, group=g, prompt_ids=p, max_tokens=max_tokens, seed=seed))
     session = Session(gw, principal, entry, model, jobs, lease, decision, rid, "chat" if kind == "chat" else "text", t0)
     gw.live.add(session)
@@ -668,7 +767,8 @@ async def _start_all(gw: Gateway, session: Session, req) -> None:
     async def start(job: Job) -> None:
         job.gen = await start_generation(gw.pool, session.model, _generate_request(session, job, req),
                                          len(job.prompt_ids) + job.max_tokens, max_attempts=attempts,
-                                         metrics=gw.metrics, tracer=gw.tracer, parent=session.trace_ctx)
+                                         metrics=gw.metrics, tracer=gw.tracer, parent=session.trace_ctx,
+                                         deadline=session.deadline)
 
     if len(session.jobs) == 1:
         await start(session.jobs[0])
@@ -688,8 +788,12 @@ async def _merged(session: Session) -> AsyncIterator[tuple[Job, pb.GenerateRespo
     jobs = session.jobs
     if len(jobs) == 1:
         job = jobs[0]
-        async for msg in job.gen.messages():
-            yield job, msg
+        try:
+            async for msg in job.gen.messages():
+                yield job, msg
+        except grpc.aio.AioRpcError as e:
+            job.error = e
+            raise
         return
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -698,6 +802,8 @@ async def _merged(session: Session) -> AsyncIterator[tuple[Job, pb.GenerateRespo
             async for msg in job.gen.messages():
                 await queue.put((job, msg, None))
         except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            if isinstance(e, grpc.aio.AioRpcError):
+                job.error = e
             await queue.put((job, None, e))
             return
         await queue.put((job, None, None))
@@ -718,10 +824,28 @@ async def _merged(session: Session) -> AsyncIterator[tuple[Job, pb.GenerateRespo
             t.cancel()
 
 
+# gRPC codes of a stream that mean the worker (or the connection to it) is gone, not the request
+_WORKER_LOST = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN}
+
+
 def _stream_failure(session: Session, err: BaseException) -> APIError:
+    """The client's error for a generation that failed after its first token (the details, which name
+    workers, go to the log only). A worker whose connection broke is marked unhealthy at once, so the
+    next requests go to the others."""
+    if session.stop_reason is not None:
+        return unavailable(session.stop_reason, retry_after_s=1)
+    for j in session.jobs:
+        e = j.error
+        if e is not None and j.gen is not None:
+            log.warning("request %s: worker %s failed during generation: %s %s", session.rid, j.gen.worker.addr,
+                        e.code().name, e.details())
+            if e.code() in _WORKER_LOST:
+                session.gw.pool.mark_failed(j.gen.worker, f"{e.code().name} during generation")
     if isinstance(err, grpc.aio.AioRpcError):
-        return unavailable(f"The worker failed during generation ({err.code().name}: {err.details()}).")
-    return unavailable(f"The worker failed during generation ({type(err).__name__}).")
+        if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return upstream_timeout(f"The request did not finish within {session.gw.settings.request_timeout_s:g} s.")
+        return unavailable(f"The worker failed during generation ({err.code().name}); please retry.")
+    return unavailable(f"The worker failed during generation ({type(err).__name__}); please retry.")
 
 
 def _check_finished(session: Session) -> None:
@@ -741,19 +865,26 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def _unless_client_leaves(session: Session, request: Request, coro):
-    """Await `coro`; when the client disconnects first, cancel it and the gRPC streams and raise 499."""
+    """Await `coro`; when the client disconnects first, cancel it and the gRPC streams and raise 499;
+    when the server stops the request first (drain deadline), cancel it and raise 503."""
     work = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
+    stopper = asyncio.ensure_future(session.stopped.wait())
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if work not in done:
-            session.on_client_gone()
+            if watcher in done:
+                session.on_client_gone()
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            raise APIError(499, "Client closed the request.", "invalid_request_error", None, "client_closed_request")
+            if watcher in done:
+                raise APIError(499, "Client closed the request.", "invalid_request_error", None,
+                               "client_closed_request")
+            raise unavailable(session.stop_reason or "The request was stopped.", retry_after_s=1)
         return work.result()
     finally:
         watcher.cancel()
+        stopper.cancel()
         if not work.done():
             work.cancel()
 
@@ -768,6 +899,10 @@ async def _collect(session: Session, request: Request, kind: str) -> dict[str, A
                     session.record(job, msg)
         except grpc.aio.AioRpcError as e:
             raise _stream_failure(session, e) from None
+        except asyncio.CancelledError:  # our own cancellation, or a call cancelled by stop()
+            if session.stop_reason is not None:
+                raise _stream_failure(session, asyncio.CancelledError()) from None
+            raise
 
     await _unless_client_leaves(session, request, consume())
     _check_finished(session)
@@ -847,7 +982,7 @@ async def _stream(session: Session, opening: list[bytes], body, usage_event) -> 
         except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
             if session.client_gone:
                 return
-            if isinstance(e, asyncio.CancelledError) and not any(
+            if isinstance(e, asyncio.CancelledError) and session.stop_reason is None and not any(
                     j.gen is not None and j.gen.call.cancelled() for j in session.jobs):
                 raise  # we are being cancelled ourselves
             yield event(_stream_failure(session, e).body())

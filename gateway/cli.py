@@ -15,15 +15,40 @@ Gateway
                       [--lease-ttl-s 15] [--log-level info]
                       [--otel-exporter none|console|otlp] # traces (default none; OTLP endpoint from
                                                           # OTEL_EXPORTER_OTLP_ENDPOINT)
+                      [--redis-outage-policy POLICY]    # per tier while Redis is down: fail_closed (503)
+                                                        # or degrade (local buckets at limit/replicas);
+                                                        # '{"interactive":"degrade"}', 'batch=degrade,...'
+                                                        # or one policy for all (default fail_closed)
+                      [--replicas 1]                    # gateway replicas sharing the limits
+                      [--redis-timeout-s 2] [--drain-timeout-s 10] [--request-timeout-s S]
+                      [--max-body-bytes 8388608]
+                      [--metrics-port 0] [--metrics-host 127.0.0.1]  # /metrics on an admin listener
+                      [--metrics-token-file FILE] [--public-metrics]
 
 Every flag has an environment variable read with pydantic-settings (flags win over env):
 ``FAIRSHARE_HOST``, ``FAIRSHARE_PORT``, ``FAIRSHARE_TENANTS_FILE``, ``FAIRSHARE_WORKERS``
 (comma-separated), ``FAIRSHARE_REDIS_URL``, ``FAIRSHARE_REDIS_CLUSTER`` (true/false),
 ``FAIRSHARE_SECRET`` (the secret itself),
 ``FAIRSHARE_SECRET_FILE``, ``FAIRSHARE_KEYS_FILE``, ``FAIRSHARE_TOKENIZER``,
-``FAIRSHARE_LEASE_TTL_S``, ``FAIRSHARE_LOG_LEVEL``, ``FAIRSHARE_OTEL_EXPORTER``. The gateway refuses to
-start without a secret. It listens at once; ``/readyz`` answers 200 once a worker is SERVING (and agrees on the tokenizer)
-and Redis answers PING, 503 before; ``/healthz`` answers 200 while the process runs.
+``FAIRSHARE_LEASE_TTL_S``, ``FAIRSHARE_LOG_LEVEL``, ``FAIRSHARE_OTEL_EXPORTER``,
+``FAIRSHARE_REDIS_OUTAGE_POLICY``, ``FAIRSHARE_GATEWAY_REPLICAS``, ``FAIRSHARE_REDIS_TIMEOUT_S``,
+``FAIRSHARE_DRAIN_TIMEOUT_S``, ``FAIRSHARE_REQUEST_TIMEOUT_S``, ``FAIRSHARE_MAX_BODY_BYTES``,
+``FAIRSHARE_METRICS_PORT``, ``FAIRSHARE_METRICS_HOST``, ``FAIRSHARE_METRICS_TOKEN`` (the token itself),
+``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS`` (see docs/reliability.md). The gateway refuses to
+start without a secret.
+
+``/metrics`` (every tenant's figures) is not served to API clients on the public port: operators
+scrape the admin listener (``--metrics-port``), or the public port with the metrics token
+(``Authorization: Bearer TOKEN``); ``--public-metrics`` restores an open ``/metrics`` for a public
+port that tenants cannot reach.
+
+SIGTERM drains: the listener closes, ``/readyz`` answers 503, requests still arriving get 503, open
+requests and streams may finish for ``--drain-timeout-s`` seconds; then the rest are stopped (a stream
+gets an OpenAI error event, a plain request a 503), their leases released, and the process exits.
+
+It listens at once; ``/readyz`` answers 200 once a worker is SERVING (and agrees on the tokenizer)
+and Redis answers PING (or some tier degrades without it), 503 before and while draining;
+``/healthz`` answers 200 while the process runs.
 
 Keys
 ----
@@ -45,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 
 
@@ -53,7 +79,9 @@ def _settings_from_args(args: argparse.Namespace):
 
     overrides = {}
     for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "redis_cluster", "secret_file", "tokenizer",
-                 "lease_ttl_s", "log_level", "otel_exporter"):
+                 "lease_ttl_s", "log_level", "otel_exporter", "redis_outage_policy", "gateway_replicas",
+                 "redis_timeout_s", "drain_timeout_s", "request_timeout_s", "max_body_bytes", "metrics_port",
+                 "metrics_host", "metrics_token_file", "public_metrics"):
         v = getattr(args, name, None)
         if v is not None:
             overrides[name] = v
@@ -82,6 +110,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error (default info)")
     p.add_argument("--otel-exporter", dest="otel_exporter", choices=["none", "console", "otlp"],
                    help="where traces go: none (default), console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT)")
+    p.add_argument("--redis-outage-policy", dest="redis_outage_policy",
+                   help="per tier while Redis is unreachable: fail_closed (503, default) or degrade (this replica's "
+                        "buckets at limit/replicas); JSON, tier=policy,... or one policy for every tier")
+    p.add_argument("--replicas", dest="gateway_replicas", type=int,
+                   help="gateway replicas sharing the tenants' limits (degraded buckets hold limit/replicas; "
+                        "default 1)")
+    p.add_argument("--redis-timeout-s", dest="redis_timeout_s", type=float,
+                   help="timeout of each Redis call in seconds (default 2)")
+    p.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float,
+                   help="on SIGTERM, open requests may finish for this long (default 10 s)")
+    p.add_argument("--request-timeout-s", dest="request_timeout_s", type=float,
+                   help="deadline of one generation in seconds: 504 / error event after it (default: none)")
+    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int,
+                   help="larger request bodies get 413 (default 8 MiB)")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int,
+                   help="serve /metrics on an admin listener on this port (default 0: none)")
+    p.add_argument("--metrics-host", dest="metrics_host", help="address of the admin listener (default 127.0.0.1)")
+    p.add_argument("--metrics-token-file", dest="metrics_token_file",
+                   help="file holding a token that may read /metrics on the public port (Authorization: Bearer)")
+    p.add_argument("--public-metrics", dest="public_metrics", action="store_true", default=None,
+                   help="serve /metrics to anyone on the public port (only where tenants cannot reach it)")
     return p
 
 
@@ -101,9 +150,46 @@ def main(argv: list[str] | None = None) -> int:
         print("fairshare gateway: warning: no workers configured (--workers host:port)", file=sys.stderr)
     import uvicorn
 
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                access_log=settings.log_level.lower() == "debug", timeout_graceful_shutdown=5)
+    from .serve import DrainingServer
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                            access_log=settings.log_level.lower() == "debug",
+                            timeout_graceful_shutdown=settings.drain_timeout_s + 3)
+    install_redaction()  # after uvicorn configured its loggers
+    DrainingServer(config, drain_timeout_s=settings.drain_timeout_s).run()
     return 0
+
+
+_SECRETS = re.compile(r"(sk-)[A-Za-z0-9_\-]{4,}|((?i:bearer)\s+)\S+|((?:api_key|api-key|key|token)=)[^&\s\"']+")
+
+
+def redact(text: str) -> str:
+    """`text` with API keys (``sk-...``), bearer tokens and ``key=``/``token=`` query values masked."""
+    return _SECRETS.sub(lambda m: (m.group(1) or m.group(2) or m.group(3)) + "***", text)
+
+
+class RedactingFilter(logging.Filter):
+    """Masks API keys in every log record (message, arguments, exception text) before it is written:
+    the gateway never logs a key on purpose, and this keeps a client that puts one in a URL
+    (``?api_key=...``, which uvicorn's access log would print) or in a header from leaking it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        return True
+
+
+def install_redaction() -> None:
+    """Add `RedactingFilter` to every handler of the root and uvicorn loggers."""
+    f = RedactingFilter()
+    for name in ("", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        for h in logging.getLogger(name).handlers:
+            if not any(isinstance(x, RedactingFilter) for x in h.filters):
+                h.addFilter(f)
 
 
 def build_keys_parser() -> argparse.ArgumentParser:

@@ -10,10 +10,12 @@ import secrets
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from fairshare.config import default_keys_path
+from fairshare.config import Tier, default_keys_path
+
+OutagePolicy = Literal["fail_closed", "degrade"]
 
 
 class GatewaySettings(BaseSettings):
@@ -46,6 +48,65 @@ class GatewaySettings(BaseSettings):
     key_prefix: str = "fairshare"
     # tracing: none (default), console or otlp (OTEL_EXPORTER_OTLP_ENDPOINT); see fairshare/telemetry.py
     otel_exporter: Literal["none", "console", "otlp"] = "none"
+
+    # -- reliability (docs/reliability.md) ---------------------------------------------------------
+    # What a tier's requests get while Redis is unreachable: "fail_closed" (503 + retry-after) or
+    # "degrade" (admitted against this replica's own in-memory buckets at limit / gateway_replicas).
+    # Env: JSON '{"interactive":"degrade","batch":"fail_closed"}', "tier=policy,..." or one policy for
+    # every tier. Tiers not named fail closed.
+    redis_outage_policy: Annotated[dict[Tier, OutagePolicy], NoDecode] = Field(default_factory=dict)
+    gateway_replicas: int = Field(default=1, ge=1)  # replicas sharing the tenants' limits (degrade mode)
+    redis_timeout_s: float = Field(default=2.0, gt=0)  # socket timeout of every Redis call
+    redis_probe_interval_s: float = Field(default=0.5, gt=0)  # while Redis is down: PING this often
+    drain_timeout_s: float = Field(default=10.0, ge=0)  # SIGTERM: open requests may finish this long
+    request_timeout_s: float | None = Field(default=None, gt=0)  # deadline of one generation (None: none)
+    # /metrics: served on an admin listener (metrics_port > 0, on metrics_host), or on the public port
+    # to holders of metrics_token; public_metrics=True serves it to anyone on the public port (every
+    # tenant's figures: only for a public port that tenants cannot reach).
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    metrics_token: SecretStr | None = None
+    metrics_token_file: Path | None = None
+    public_metrics: bool = False
+
+    @field_validator("redis_outage_policy", mode="before")
+    @classmethod
+    def _parse_outage_policy(cls, v):
+        if isinstance(v, str):
+            text = v.strip()
+            if not text:
+                return {}
+            if text.startswith("{"):
+                import json
+
+                return json.loads(text)
+            if "=" not in text and ":" not in text:  # one policy for every tier
+                return {t.value: text for t in Tier}
+            out = {}
+            for part in text.split(","):
+                if part.strip():
+                    k, _, val = part.replace(":", "=").partition("=")
+                    out[k.strip()] = val.strip()
+            return out
+        return v
+
+    @model_validator(mode="after")
+    def _metrics_port_differs(self):
+        if self.metrics_port and self.metrics_port == self.port and self.metrics_host == self.host:
+            raise ValueError("metrics_port must differ from the API port")
+        return self
+
+    def metrics_token_value(self) -> str:
+        """The metrics token (``metrics_token``, else the contents of ``metrics_token_file``), or ""."""
+        if self.metrics_token is not None and self.metrics_token.get_secret_value():
+            return self.metrics_token.get_secret_value()
+        if self.metrics_token_file is not None:
+            return Path(self.metrics_token_file).read_text(encoding="utf-8").strip()
+        return ""
+
+    def outage_policy(self, tier: Tier | str) -> str:
+        """``fail_closed`` or ``degrade``: what `tier` gets while Redis is unreachable."""
+        return self.redis_outage_policy.get(Tier(tier), "fail_closed")
 
     @field_validator("otel_exporter", mode="before")
     @classmethod

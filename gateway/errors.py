@@ -8,6 +8,7 @@ never FastAPI's default 422 body).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Iterable, Mapping
 
 from fastapi import FastAPI, Request
@@ -75,9 +76,18 @@ def server_error(message: str = "The server had an error while processing your r
     return APIError(500, message, "server_error", None, None)
 
 
-def unavailable(message: str) -> APIError:
-    """503 ``server_error`` (no worker, Redis down)."""
-    return APIError(503, message, "server_error", None, "service_unavailable")
+def unavailable(message: str, retry_after_s: float | None = None) -> APIError:
+    """503 ``server_error`` (no worker, Redis down, shutting down); with `retry_after_s`, a
+    ``retry-after`` header (whole seconds, at least 1)."""
+    headers = {}
+    if retry_after_s is not None:
+        headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
+    return APIError(503, message, "server_error", None, "service_unavailable", headers)
+
+
+def upstream_timeout(message: str) -> APIError:
+    """504 ``server_error``: the worker did not finish within the gateway's request deadline."""
+    return APIError(504, message, "server_error", None, "timeout")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes", "json-or-python", "lax-or-strict"}

@@ -257,6 +257,15 @@ class WorkerPool:
             return self.models[name]
         return None
 
+    def mark_failed(self, w: WorkerClient, reason: str) -> None:
+        """Stop routing to `w` now (its connection broke mid-stream); the next successful health
+        check (every ``health_interval_s``) brings it back."""
+        if w.healthy:
+            log.warning("worker %s marked unhealthy: %s", w.addr, reason)
+        w.healthy = False
+        w.last_error = reason
+        self._gauge(w)
+
     def pick(self, model: str, exclude: set[WorkerClient] | frozenset = frozenset()) -> WorkerClient | None:
         """The usable worker of `model` with the fewest in-flight tokens (ties: round robin), or None."""
         cands = [w for w in self.workers if w.usable and w.model == model and w not in exclude]
@@ -329,15 +338,17 @@ def _is_progress(msg: pb.GenerateResponse) -> bool:
 
 async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateRequest, cost: int, *,
                            max_attempts: int = 3, metrics=None, tracer: trace.Tracer | None = None,
-                           parent=None) -> Generation:
+                           parent=None, deadline: float | None = None) -> Generation:
     """Start `request` on the least-loaded worker of `model`, retrying on another worker when one fails
     before its first token.
 
     tracer / parent: each attempt is a ``gateway.worker_call`` span of `tracer` (default: the global
     one) under the context `parent` (default: the current one); the current span (``gateway.routing``)
     gets the attempt count and the chosen worker.
+    deadline: ``time.monotonic()`` by which the whole generation must end (the gRPC deadline of each
+    attempt; None: none).
     Raises APIError: 400 when the worker rejects the request as invalid, 503 when no worker could run
-    it. Cancellation (asyncio) cancels the call in progress.
+    it, 504 when the deadline passed. Cancellation (asyncio) cancels the call in progress.
     """
     tracer = tracer or trace.get_tracer("fairshare.gateway")
     routing = trace.get_current_span()
@@ -359,7 +370,8 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
         if routing.is_recording():
             routing.set_attribute("fairshare.attempts", attempt + 1)
         metadata = inject_metadata(trace.set_span_in_context(span))
-        call = w.stub.Generate(req, metadata=metadata or None)
+        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+        call = w.stub.Generate(req, metadata=metadata or None, timeout=timeout)
         gen = Generation(w, call, req.request_id, cost, [], span)
         try:
             it = call.__aiter__()
@@ -387,6 +399,9 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
             gen.fail(e.code().name)
             if e.code() in _CLIENT_CODES:
                 raise invalid_request(e.details() or "invalid request", None, "invalid_value") from None
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
+                raise APIError(504, "The request did not start within the gateway's request timeout.",
+                               "server_error", None, "timeout") from None
             last = f"worker {w.addr}: {e.code().name} {e.details()}"
             log.warning("generation failed before the first token (%s); retrying on another worker", last)
             if e.code() == grpc.StatusCode.UNAVAILABLE:
@@ -396,7 +411,8 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
         except BaseException:
             gen.close()
             raise
-    raise unavailable(f"No worker could serve the request ({last}).")
+    log.warning("no worker could serve request %s (%s)", base_id, last)
+    raise unavailable("No worker could serve the request right now; please retry.", retry_after_s=1)
 
 
 __all__ = ["APIError", "Generation", "ModelEntry", "WorkerClient", "WorkerPool", "start_generation"]

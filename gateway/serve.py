@@ -1,4 +1,5 @@
-"""Run the gateway app with uvicorn in a background thread (tests, benchmarks, embedding)."""
+"""Run the gateway app with uvicorn: `DrainingServer` (SIGTERM drains open requests, used by
+`fairshare gateway`) and `ServerThread` (a background thread: tests, benchmarks, embedding)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,24 @@ import time
 
 import uvicorn
 from fastapi import FastAPI
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown (SIGTERM, SIGINT) first starts the gateway's drain: no new
+    admissions, open requests may finish for `drain_timeout_s` seconds, then they are stopped with an
+    OpenAI error and settled (see `gateway.app.Gateway.begin_drain`). Configure uvicorn's
+    ``timeout_graceful_shutdown`` a little above `drain_timeout_s`."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float = 10.0) -> None:
+        super().__init__(config)
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        app = self.config.app
+        gw = getattr(getattr(app, "state", None), "gw", None)
+        if gw is not None:
+            gw.begin_drain(self.drain_timeout_s)
+        await super().shutdown(sockets=sockets)
 
 
 class ServerThread:

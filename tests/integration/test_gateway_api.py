@@ -17,9 +17,12 @@ TENANTS = [
 ]
 
 
+METRICS_TOKEN = "metrics-test-token"
+
+
 @pytest.fixture(scope="module")
 def gw(gateway_factory):
-    return gateway_factory(TENANTS)
+    return gateway_factory(TENANTS, metrics_token=METRICS_TOKEN)
 
 
 def test_models_list(gw):
@@ -114,7 +117,11 @@ def test_health_ready_metrics(gw):
     ready = httpx.get(gw.base_url + "/readyz")
     assert ready.status_code == 200 and ready.json()["redis"] and ready.json()["models"] == [MODEL]
     gw.client("api-a").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
-    m = httpx.get(gw.base_url + "/metrics")
+    # every tenant's figures: refused to API clients (even with a valid key), served to the metrics token
+    for h in ({}, {"authorization": f"Bearer {gw.keys['api-a']}"}):
+        refused = httpx.get(gw.base_url + "/metrics", headers=h)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "metrics_forbidden"
+    m = httpx.get(gw.base_url + "/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"})
     assert m.status_code == 200 and m.headers["content-type"].startswith("text/plain")
     assert 'fairshare_gateway_requests_total{endpoint="chat",status="200",tenant="api-a"}' in m.text
     assert 'fairshare_gateway_tokens_total{kind="completion",model="random-tiny",tenant="api-a"}' in m.text

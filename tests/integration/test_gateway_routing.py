@@ -167,7 +167,7 @@ def test_worker_failing_before_first_token_is_retried_on_another(gateway_factory
     bad = proxies(mode)
     good = proxies("record")
     gw = gateway_factory([{"id": f"retry-{mode}", "limits": {"tpm": 100000}}], workers=[bad.addr, good.addr],
-                         health_interval_s=30.0)
+                         health_interval_s=30.0, metrics_token="routing-metrics-token")
     client = gw.client(f"retry-{mode}")
     for i in range(4):  # ties are broken round robin, so the faulty worker is picked first at least once
         r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, stream=bool(i % 2))
@@ -177,7 +177,7 @@ def test_worker_failing_before_first_token_is_retried_on_another(gateway_factory
             assert r.choices[0].finish_reason == "length"
     assert bad.requests and len(good.requests) == 4
     assert {q.tenant.id for q in good.requests} == {f"retry-{mode}"}
-    metrics = httpx.get(gw.base_url + "/metrics").text
+    metrics = httpx.get(gw.base_url + "/metrics", headers={"authorization": "Bearer routing-metrics-token"}).text
     assert f'fairshare_gateway_worker_retries_total{{worker="{bad.addr}"}}' in metrics
     assert gw.leases(f"retry-{mode}") == {}
 

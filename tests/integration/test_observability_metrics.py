@@ -52,10 +52,11 @@ def metrics_worker(tmp_path_factory):
 
 def test_two_tenant_run_metrics_on_both_tiers(metrics_worker, gateway_factory):
     addr, worker_metrics_url = metrics_worker
+    gw_metrics_port = free_port()  # the gateway's /metrics is on its admin listener, not the public port
     gw = gateway_factory([
         {"id": "alpha", "weight": 1.0, "limits": {"rpm": 1000, "tpm": 1_000_000}},
         {"id": "beta", "weight": 2.0, "tier": "interactive", "limits": {"rpm": BETA_N, "tpm": 1_000_000}},
-    ], workers=[addr], key_prefix="fairshare-obs-metrics")
+    ], workers=[addr], key_prefix="fairshare-obs-metrics", metrics_port=gw_metrics_port)
     usages: dict[str, list] = {"alpha": [], "beta": []}
     errors: list[BaseException] = []
     statuses: dict[str, list[int]] = {"alpha": [], "beta": []}
@@ -91,7 +92,7 @@ def test_two_tenant_run_metrics_on_both_tiers(metrics_worker, gateway_factory):
             model="random-tiny", prompt="x", max_tokens=1)
 
     # -- gateway ------------------------------------------------------------------------------
-    text, g = scrape(gw.base_url + "/metrics")
+    text, g = scrape(f"http://127.0.0.1:{gw_metrics_port}/metrics")
     assert bad_key not in text and "SEEN" not in text and gw.keys["alpha"] not in text and gw.keys["beta"] not in text
     assert tenant_labels(g, "fairshare_gateway_") <= {"alpha", "beta", "unknown"}
     assert value(g, "fairshare_gateway_requests_total", tenant="alpha", endpoint="completions", status="200") == ALPHA_N
