@@ -1,0 +1,124 @@
+"""Every error path after admission settles: the lease is released and exactly the unused part of the
+TPM reservation is refunded.
+
+Paths, each streamed and not: an upstream error in the middle of the generation (the worker fails the
+call with INTERNAL: test-only fault injection, worker/server.py), the gateway's request timeout (504 /
+error event), the client going away (a stream closed after two chunks, a plain request whose client
+times out) and a validation failure after admission (the worker refuses the request with
+INVALID_ARGUMENT: 400).
+
+The check is exact: with the TPM bucket seeded at 2000 tokens, after the request the stored bucket is
+``2000 + refill - used`` where ``used`` is what the gateway settled (prompt + completion tokens it
+received) and ``refill`` is the bucket's continuous refill between the two stored timestamps: the
+reservation (prompt + 1500) is charged at admission and everything not used comes back.
+"""
+
+from __future__ import annotations
+
+
+import httpx
+import pytest
+import redis
+
+from tests.reliability.conftest import (HELLO, MODEL, InProcessGateway, assert_error_object, assert_error_response,
+                                        idle, lease_state, open_stream, read_stream, wait_until)
+
+TPM = 3000
+SEED = 2000.0
+RATE = TPM / 60000.0  # tokens per ms
+MAX_TOKENS = 1500
+
+
+@pytest.fixture(scope="module")
+def gw(two_workers, redis_url, tmp_path_factory):
+    two_workers.ensure_alive()
+    g = InProcessGateway(tmp_path_factory.mktemp("gw"), [{"id": "ep", "limits": {"tpm": TPM}}], two_workers.addrs,
+                         redis_url, request_timeout_s=2.0).wait_ready()
+    yield g
+    g.stop()
+
+
+def used_tokens(gw: InProcessGateway) -> float:
+    total = 0.0
+    for fam in gw.gw.metrics.registry.collect():
+        if fam.name == "fairshare_gateway_tokens":
+            total += sum(s.value for s in fam.samples if s.name.endswith("_total")
+                         and s.labels.get("tenant") == "ep" and s.labels.get("kind") in ("prompt", "completion"))
+    return total
+
+
+BODY = {"model": MODEL, "messages": HELLO, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+def run_path(gw: InProcessGateway, path: str, stream: bool) -> str:
+    """Send one request that fails on `path`; return what the client saw (for the report)."""
+    http = httpx.Client(timeout=60)
+    url = gw.base_url + "/v1/chat/completions"
+    body = dict(BODY)
+    if path == "upstream_error":
+        body["cache_salt"] = "fault:error-after:3"
+    elif path == "rejected_after_admission":
+        body["cache_salt"] = "fault:reject"
+    try:
+        if path == "client_cancel":  # (streams: in the test itself)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(url, headers=gw.headers("ep"), json=body, timeout=0.5)
+            return "client timed out after 0.5 s"
+        if stream:
+            s = open_stream(http, gw.base_url, gw.keys["ep"], body)
+            if s.status_code != 200:
+                s.read()
+                err = assert_error_response(s)
+                return f"{s.status_code} {err['code']}"
+            events, done = read_stream(s)
+            assert not done and events, events
+            err = assert_error_object(events[-1])
+            return f"200, then error event {err['code']}"
+        resp = http.post(url, headers=gw.headers("ep"), json=body)
+        err = assert_error_response(resp)
+        return f"{resp.status_code} {err['code']}"
+    finally:
+        http.close()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+@pytest.mark.parametrize("path", ["upstream_error", "gateway_timeout", "client_cancel", "rejected_after_admission"])
+def test_error_path_releases_lease_and_refunds_unused(gw, two_workers, path, stream):
+    r = redis.Redis.from_url(gw.redis_url)
+    tpm_key = f"{gw.prefix}:{{ep}}:tpm"
+    wait_until(lambda: not gw.gw.live, 10, "previous requests settled")
+    before_used = used_tokens(gw)
+    s, us = r.time()
+    ts0 = s * 1000 + us / 1000
+    r.hset(tpm_key, mapping={"t": repr(SEED), "ts": repr(ts0)})
+
+    if path == "client_cancel" and stream:  # read two chunks, then go away
+        http = httpx.Client(timeout=60)
+        st = open_stream(http, gw.base_url, gw.keys["ep"], BODY)
+        n = 0
+        for line in st.iter_lines():
+            n += line.startswith("data:")
+            if n == 2:
+                break
+        st.close()
+        http.close()
+        seen = "read 2 chunks, closed the stream"
+    else:
+        seen = run_path(gw, path, stream)
+    if path == "gateway_timeout":
+        assert "timeout" in seen, seen
+    if path == "rejected_after_admission":
+        assert seen.startswith("400"), seen
+    if path == "upstream_error":
+        assert "service_unavailable" in seen, seen
+
+    wait_until(lambda: not gw.gw.live and not gw.gw.control.live, 10, "settled")
+    assert lease_state(r, gw.prefix, "ep") == (set(), set())
+    used = used_tokens(gw) - before_used
+    t, ts = (float(x) for x in r.hmget(tpm_key, ["t", "ts"]))
+    expected = SEED + (ts - ts0) * RATE - used
+    assert t == pytest.approx(expected, abs=1e-3), (t, expected, used)
+    assert used < MAX_TOKENS  # so a missing refund could not hide
+    wait_until(lambda: all(idle(a) for a in two_workers.addrs), 10, "workers idle, KV blocks free")
+    print(f"\n{path} ({'stream' if stream else 'plain'}): {seen}; used {used:.0f} of "
+          f"{MAX_TOKENS}+prompt reserved, refunded the rest")

@@ -1,0 +1,195 @@
+"""Worker faults with two real workers: one killed (SIGKILL) in the middle of streamed and non-streamed
+requests, one drained (SIGTERM) with work in flight.
+
+Killed: the clients on that worker get an OpenAI-shaped error (an SSE ``data:`` error event for a
+stream, a 5xx JSON body otherwise), the requests on the other worker finish normally, the tenant's
+leases are released and its unused TPM reservations refunded, the dead worker is marked unhealthy
+at once (the gateway polls health only every 30 s here) and new requests go to the survivor.
+
+Drained: the worker stops taking new requests (they go to the other worker), finishes what it runs
+until its drain deadline, aborts the rest (an OpenAI error event for that stream), then exits 0.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+
+from tests.reliability.conftest import (HELLO, MODEL, InProcessGateway, assert_error_object, assert_error_response,
+                                        get_load, idle, live_leases, open_stream, read_stream, tenant_load, tpm_bucket,
+                                        wait_until)
+
+TPM = 20000
+LONG = {"model": MODEL, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True}
+
+
+def worker_of(gw: InProcessGateway, rid: str) -> str | None:
+    """Address of the worker running request `rid` (its first choice), from the gateway's sessions."""
+    for s in list(gw.gw.live):
+        if s.rid == rid and s.jobs[0].gen is not None:
+            return s.jobs[0].gen.worker.addr
+    return None
+
+
+def finished(addr: str, tenant: str) -> int:
+    t = tenant_load(addr, tenant)
+    return 0 if t is None else t.finished
+
+
+def session_ids(gw: InProcessGateway) -> dict[str, str]:
+    """rid -> worker address of every running request."""
+    return {s.rid: s.jobs[0].gen.worker.addr for s in list(gw.gw.live) if s.jobs[0].gen is not None}
+
+
+def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
+    gw = InProcessGateway(tmp_path / "gw", [{"id": "wk", "limits": {"tpm": TPM, "max_inflight_tokens": 20000}}],
+                          workers.addrs, redis_url, health_interval_s=30.0).wait_ready()
+    http = httpx.Client(timeout=60)
+    try:
+        # two streams and two plain requests, spread over both workers by least-loaded routing
+        streams = [open_stream(http, gw.base_url, gw.keys["wk"], LONG) for _ in range(2)]
+        assert [s.status_code for s in streams] == [200, 200]
+        plain: dict[int, httpx.Response] = {}
+
+        def post(i: int) -> None:
+            plain[i] = http.post(gw.base_url + "/v1/chat/completions", headers=gw.headers("wk"),
+                                 json={**LONG, "max_tokens": 150}, timeout=120)
+
+        threads = [threading.Thread(target=post, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(session_ids(gw)) == 4, 30, "four requests running")
+        where = session_ids(gw)
+        assert set(where.values()) == set(workers.addrs), where  # both workers busy
+        time.sleep(0.5)
+        stream_rids = [s.headers["x-request-id"] for s in streams]
+
+        def score(addr: str) -> tuple[int, int]:  # (hosts a stream, hosts a plain request)
+            return (any(where[r] == addr for r in stream_rids),
+                    any(a == addr and r not in stream_rids for r, a in where.items()))
+
+        victim = max(range(2), key=lambda i: score(workers.addrs[i]))
+        victim_addr, survivor_addr = workers.addrs[victim], workers.addrs[1 - victim]
+        assert score(victim_addr)[0], where
+        on_victim = {rid for rid, a in where.items() if a == victim_addr}
+        plain_on_victim = len(on_victim - set(stream_rids))
+        survivor_before = finished(survivor_addr, "wk")
+
+        t_kill = time.monotonic()
+        workers.kill(victim)
+
+        # streams: the one on the dead worker ends with an OpenAI error event (and no [DONE])
+        for s, rid in zip(streams, stream_rids):
+            if rid in on_victim:
+                events, done = read_stream(s)
+                assert not done and events, events
+                err = assert_error_object(events[-1])
+                assert err["type"] == "server_error" and err["code"] == "service_unavailable"
+                assert "127.0.0.1" not in err["message"]  # no internal address leaks to the client
+                t_error = time.monotonic() - t_kill
+        # plain requests: the one on the dead worker gets a 5xx OpenAI body
+        for t in threads:
+            t.join(120)
+        assert sum(r.status_code == 503 for r in plain.values()) == plain_on_victim, plain
+        for r in plain.values():
+            if r.status_code != 200:
+                assert_error_response(r, 503)
+            else:
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+
+        # the dead worker is marked unhealthy at once, without waiting for the 30 s health poll
+        ready = httpx.get(gw.base_url + "/readyz").json()
+        state = {w["addr"]: w["healthy"] for w in ready["workers"]}
+        assert state == {victim_addr: False, survivor_addr: True}, ready
+        # new requests go to the survivor
+        for _ in range(3):
+            r = gw.client("wk").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+            assert r.choices[0].finish_reason in ("length", "stop")
+        assert finished(survivor_addr, "wk") >= survivor_before + 3
+
+        # close the survivor's stream: every lease is released, every unused reservation refunded
+        for s in streams:
+            s.close()
+        wait_until(lambda: not gw.gw.live, 20, "every request settled")
+        assert live_leases(_sync(redis_url), gw.prefix, "wk") == set()
+        used = sum(v for (name, labels), v in _tokens(gw, "wk").items())
+        stored, _ = tpm_bucket(_sync(redis_url), gw.prefix, "wk")
+        # 4 requests reserved ~5800 tokens; without refunds the bucket would sit that low (plus refill)
+        assert TPM - used - 1 <= stored <= TPM, (stored, used)
+        wait_until(lambda: idle(survivor_addr), 10, "survivor idle, every KV block free")
+        print(f"\nworker kill: client error event {t_error:.2f} s after the kill")
+    finally:
+        http.close()
+        gw.stop()
+
+
+def test_worker_sigterm_drains(workers, redis_url, tmp_path):
+    gw = InProcessGateway(tmp_path / "gw", [{"id": "wd", "limits": {"tpm": 10**6}}], workers.addrs, redis_url,
+                          health_interval_s=0.3).wait_ready()
+    http = httpx.Client(timeout=60)
+    try:
+        # a long stream lands on one worker; a short one and another long one on the other
+        long_a = open_stream(http, gw.base_url, gw.keys["wd"], LONG)
+        short = open_stream(http, gw.base_url, gw.keys["wd"], {"model": MODEL, "messages": HELLO, "max_tokens": 25,
+                                                               "ignore_eos": True})
+        long_b = open_stream(http, gw.base_url, gw.keys["wd"], LONG)
+        where = session_ids(gw)
+        a_addr = where[long_a.headers["x-request-id"]]
+        b_addr = where[long_b.headers["x-request-id"]]
+        assert where[short.headers["x-request-id"]] == b_addr != a_addr, where
+        b = workers.addrs.index(b_addr)
+
+        t_term = time.monotonic()
+        workers.term(b)
+        # new requests while it drains: served by the other worker
+        wait_until(lambda: get_load(b_addr).draining, 5, "worker draining")
+        for _ in range(2):
+            r = gw.client("wd").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+            assert r.choices[0].finish_reason in ("length", "stop")
+        # in-flight work that fits in the drain deadline finishes normally
+        events, done = read_stream(short)
+        assert done and events[-1]["choices"][0]["finish_reason"] == "length", events[-3:]
+        # the rest is aborted at the deadline (4 s): an OpenAI error event, no [DONE]
+        events, done = read_stream(long_b)
+        t_abort = time.monotonic() - t_term
+        assert not done and "error" in events[-1], events[-2:]
+        assert_error_object(events[-1])
+        assert 3.0 <= t_abort <= 10.0, t_abort
+        # then the worker exits, cleanly
+        rc = workers.procs[b].wait(15)
+        t_exit = time.monotonic() - t_term
+        assert rc == 0
+        long_a.close()
+        wait_until(lambda: not gw.gw.live, 20, "every request settled")
+        assert live_leases(_sync(redis_url), gw.prefix, "wd") == set()
+        wait_until(lambda: idle(a_addr), 10, "the other worker idle")
+        print(f"\nworker drain: aborted at {t_abort:.1f} s, exited at {t_exit:.1f} s (deadline 4 s)")
+    finally:
+        http.close()
+        gw.stop()
+
+
+_SYNC = {}
+
+
+def _sync(url):
+    import redis
+
+    if url not in _SYNC:
+        _SYNC[url] = redis.Redis.from_url(url)
+    return _SYNC[url]
+
+
+def _tokens(gw: InProcessGateway, tenant: str) -> dict:
+    """prompt + completion tokens the gateway settled for `tenant` ({(kind, labels): value})."""
+    out = {}
+    for fam in gw.gw.metrics.registry.collect():
+        if fam.name != "fairshare_gateway_tokens":
+            continue
+        for smp in fam.samples:
+            if smp.name.endswith("_total") and smp.labels.get("tenant") == tenant and \
+                    smp.labels.get("kind") in ("prompt", "completion"):
+                out[(smp.labels["kind"], tuple(sorted(smp.labels.items())))] = smp.value
+    return out
