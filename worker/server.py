@@ -35,6 +35,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from fairshare.wire import SERVICE_NAME, TIER_ENUMS
+from fairshare.wire import TIER_NAMES as _TIER_NAMES
 from worker.engine.engine import Engine, RequestOutput
 from worker.engine.sequence import FinishReason, SamplingParams
 from worker.metrics import WorkerMetrics
@@ -42,16 +44,6 @@ from worker.tracing import RequestTrace, worker_tracer
 
 log = logging.getLogger("fairshare.worker")
 
-SERVICE_NAME = "fairshare.v1.Worker"
-
-_TIER_NAMES = {
-    worker_pb2.TIER_UNSPECIFIED: "interactive",
-    worker_pb2.TIER_INTERACTIVE: "interactive",
-    worker_pb2.TIER_BATCH: "batch",
-    worker_pb2.TIER_BACKGROUND: "background",
-}
-TIER_ENUMS = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TIER_BATCH,
-              "background": worker_pb2.TIER_BACKGROUND}
 _FINISH = {FinishReason.STOP: worker_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
            FinishReason.ABORT: worker_pb2.FINISH_REASON_ABORT}
 _FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
