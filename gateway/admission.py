@@ -4,9 +4,11 @@
 checks the tenant's requests-per-minute bucket, tokens-per-minute bucket (reserving
 ``prompt + max_tokens`` tokens), in-flight tokens and concurrent requests, and charges all of them or
 none. An admitted request holds a `Lease` (a member of the tenant's lease set with an expiry time,
-default 15 s) that `LeaseKeeper` renews while the request runs; a gateway that dies leaves leases that
-expire on their own. `Admission.settle` refunds ``reserved - used`` TPM tokens and releases the lease;
-it is idempotent (guarded here and in Redis by the presence of the lease).
+default 15 s) that is renewed while the request runs (in the app by `gateway.outage.AdmissionControl`,
+which also handles Redis outages; `LeaseKeeper` is the plain renewer); a gateway that dies leaves
+leases that expire on their own. `Admission.settle` refunds ``reserved - used`` TPM tokens and
+releases the lease; it is idempotent (guarded here and in Redis by the presence of the lease).
+`Admission.reinstate` re-creates the lease of a request still running when Redis lost it.
 
 Keys are ``<prefix>:{<tenant>}:rpm|tpm|leases|lease_tokens``; the ``{tenant}`` hash tag keeps a
 tenant's keys in one Redis Cluster slot.
