@@ -22,14 +22,15 @@ from tests.reliability.conftest import (HELLO, MODEL, InProcessGateway, RedisSer
                                         lease_state, live_leases, open_stream, sse_events, tpm_bucket,
                                         wait_until)
 
-LIMITS = {"rpm": 60000, "tpm": 6_000_000, "max_inflight_tokens": 6000, "max_concurrent_requests": 32}
+CAP, EACH = 6000, 1400  # rx-cap's in-flight budget and what each of its streams reserves
+LIMITS = {"rpm": 60000, "tpm": 6_000_000, "max_inflight_tokens": 20000, "max_concurrent_requests": 32}
 TENANTS = [
     {"id": "rx-inter", "tier": "interactive", "limits": LIMITS},
     {"id": "rx-batch", "tier": "batch", "limits": LIMITS},
-    {"id": "rx-cap", "tier": "interactive", "limits": {"max_inflight_tokens": 1000, "tpm": 6_000_000}},
+    {"id": "rx-cap", "tier": "interactive", "limits": {"max_inflight_tokens": CAP, "tpm": 6_000_000}},
 ]
 SHORT = {"model": MODEL, "messages": HELLO, "max_tokens": 4}
-LONG = {"model": MODEL, "messages": HELLO, "max_tokens": 700, "ignore_eos": True}
+LONG = {"model": MODEL, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True}
 
 
 class Load:
@@ -98,7 +99,7 @@ def test_redis_killed_and_restarted_under_two_tenant_load(redis_srv, workers, tm
     http = httpx.Client(timeout=60)
     try:
         p = gw.client("rx-cap").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).usage.prompt_tokens
-        cap_body = {"model": MODEL, "messages": HELLO, "max_tokens": 240 - p, "ignore_eos": True}  # 240 reserved
+        cap_body = {"model": MODEL, "messages": HELLO, "max_tokens": EACH - p, "ignore_eos": True}
 
         loads = [Load(gw, "rx-inter").start(), Load(gw, "rx-batch").start()]
         # streams admitted through Redis before the outage, running across it
@@ -112,7 +113,7 @@ def test_redis_killed_and_restarted_under_two_tenant_load(redis_srv, workers, tm
         wait_until(lambda: not control.up, 10, "the gateway notices the outage")
         during = open_stream(http, gw.base_url, gw.keys["rx-inter"], LONG)  # admitted locally (degrade)
         assert during.status_code == 200
-        # the local share is limit / replicas: 1000 / 2 = 500 in-flight tokens -> two 240-token streams, not three
+        # the local share is limit / replicas: 6000 / 2 = 3000 in-flight tokens -> two 1400-token streams, not three
         cap = [open_stream(http, gw.base_url, gw.keys["rx-cap"], cap_body) for _ in range(2)]
         assert [s.status_code for s in cap] == [200, 200]
         third = open_stream(http, gw.base_url, gw.keys["rx-cap"], cap_body)
@@ -138,7 +139,7 @@ def test_redis_killed_and_restarted_under_two_tenant_load(redis_srv, workers, tm
         held = gw.held_lease_ids()
         in_redis = set().union(*(live_leases(r, gw.prefix, t["id"]) for t in TENANTS))
         assert in_redis == held and len(held) == 5, (in_redis, held)  # 2 before, 1 during, 2 rx-cap
-        # the moved rx-cap leases count in Redis: 2 x 240 held, so 2 more fit in 1000 and a third does not
+        # the moved rx-cap leases count in Redis: 2 x 1400 held, so 2 more fit in 6000 and a third does not
         more = [open_stream(http, gw.base_url, gw.keys["rx-cap"], cap_body) for _ in range(2)]
         assert [s.status_code for s in more] == [200, 200]
         over = open_stream(http, gw.base_url, gw.keys["rx-cap"], cap_body)
