@@ -76,7 +76,7 @@ def test_scrape_config_matches_the_compose_services():
     cmd = services["worker"]["command"]
     metrics_port = cmd[cmd.index("--metrics-port") + 1]
     assert jobs["fairshare-worker"]["static_configs"][0]["targets"] == [f"worker:{metrics_port}"]
-    assert jobs["fairshare-gateway"]["static_configs"][0]["targets"] == ["gateway:8000"]
+    assert jobs["fairshare-gateway"]["static_configs"][0]["targets"] == ["gateway:9100"]
     assert all(j.get("metrics_path", "/metrics") == "/metrics" for j in jobs.values())
 
 
