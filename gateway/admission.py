@@ -26,6 +26,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig
 
 log = logging.getLogger("fairshare.gateway")
@@ -345,10 +346,5 @@ class LeaseKeeper:
 
     async def stop(self) -> None:
         """Stop the renewal task."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None

@@ -38,6 +38,7 @@ from typing import Callable
 
 from redis.exceptions import RedisError
 
+from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig
 
 from .admission import Admission, Decision, Lease, RateLimitState
@@ -369,13 +370,8 @@ class AdmissionControl:
 
     async def stop(self) -> None:
         """Stop the background task."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
 
 __all__ = ["AdmissionControl", "LocalAdmission", "RedisUnavailable"]

@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from fairshare.aio import cancel_and_wait
 from fairshare.telemetry import inject_metadata
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
@@ -232,13 +233,8 @@ class WorkerPool:
 
     async def stop(self) -> None:
         """Stop polling and close every channel."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for w in self.workers:
             await w.close()
 
