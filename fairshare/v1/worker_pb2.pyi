@@ -148,7 +148,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TenantLoad(_message.Message):
-    __slots__ = ("tenant_id", "weight", "tier", "virtual_counter", "charged_service", "prompt_tokens", "output_tokens", "waiting", "running", "kv_blocks", "finished", "preemptions")
+    __slots__ = ("tenant_id", "weight", "tier", "virtual_counter", "charged_service", "prompt_tokens", "output_tokens", "waiting", "running", "kv_blocks", "finished", "preemptions", "kv_soft_quota_blocks", "kv_hard_cap_blocks", "kv_over_quota", "quota_waits", "cache_blocks", "cached_prompt_tokens")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,12 @@ class TenantLoad(_message.Message):
     KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOFT_QUOTA_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_HARD_CAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_OVER_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_WAITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     weight: float
     tier: Tier
@@ -173,10 +179,16 @@ class TenantLoad(_message.Message):
     kv_blocks: int
     finished: int
     preemptions: int
-    def __init__(self, tenant_id: _Optional[str] = ..., weight: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ..., virtual_counter: _Optional[float] = ..., charged_service: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., finished: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    kv_soft_quota_blocks: int
+    kv_hard_cap_blocks: int
+    kv_over_quota: bool
+    quota_waits: int
+    cache_blocks: int
+    cached_prompt_tokens: int
+    def __init__(self, tenant_id: _Optional[str] = ..., weight: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ..., virtual_counter: _Optional[float] = ..., charged_service: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., finished: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_soft_quota_blocks: _Optional[int] = ..., kv_hard_cap_blocks: _Optional[int] = ..., kv_over_quota: _Optional[bool] = ..., quota_waits: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "tenants", "policy", "iterations", "draining", "inflight_tokens")
+    __slots__ = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "tenants", "policy", "iterations", "draining", "inflight_tokens", "kv_quota_enabled", "reclaim_preemptions", "cache_blocks", "cache_public_blocks", "cache_hit_tokens", "cache_lookup_tokens")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +199,12 @@ class Load(_message.Message):
     ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_QUOTA_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    RECLAIM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_PUBLIC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_used: int
@@ -197,4 +215,10 @@ class Load(_message.Message):
     iterations: int
     draining: bool
     inflight_tokens: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ..., policy: _Optional[str] = ..., iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., inflight_tokens: _Optional[int] = ...) -> None: ...
+    kv_quota_enabled: bool
+    reclaim_preemptions: int
+    cache_blocks: int
+    cache_public_blocks: int
+    cache_hit_tokens: int
+    cache_lookup_tokens: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ..., policy: _Optional[str] = ..., iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., inflight_tokens: _Optional[int] = ..., kv_quota_enabled: _Optional[bool] = ..., reclaim_preemptions: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cache_public_blocks: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_lookup_tokens: _Optional[int] = ...) -> None: ...
