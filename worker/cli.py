@@ -6,7 +6,13 @@
                      [--alpha 1 --beta 2] [--device cpu|cuda] [--threads N] [--cache-dir DIR]
                      [--metrics-port 0] [--metrics-host HOST] [--metrics-max-tenants 64]
                      [--otel-exporter none|console|otlp]
+                     [--kv-quota | --no-kv-quota] [--kv-watermark 0.8] [--kv-headroom 0.05]
+                     [--kv-shared-buffer 0] [--kv-hard-cap 1.0]
+                     [--kv-soft-quota KEY=FRAC ...] [--kv-hard-cap-for KEY=FRAC ...]
 
+`--kv-quota` turns on per-tenant KV quotas (default off; docs/memory-isolation.md): fractions are of
+the KV pool; KEY is a tenant id or a tier (interactive, batch, background), a tenant id winning over
+its tier. The tuning flags need `--kv-quota`.
 `--metrics-port N` serves Prometheus metrics on http://HOST:N/metrics (0, the default: off).
 `--otel-exporter` (env FAIRSHARE_OTEL_EXPORTER) sends traces to stdout or over OTLP
 (OTEL_EXPORTER_OTLP_ENDPOINT); default none. See docs/observability.md.
@@ -57,7 +63,86 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otel-exporter", choices=["none", "console", "otlp"], default=None,
                    help="where traces go: none, console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT); "
                         "default $FAIRSHARE_OTEL_EXPORTER or none")
+    add_kv_quota_arguments(p)
     return p
+
+
+# ---- KV quota flags (docs/memory-isolation.md; EngineConfig.kv_*) ------------------------------------
+KV_QUOTA_DEFAULTS = {"kv_watermark": 0.8, "kv_headroom": 0.05, "kv_shared_buffer": 0.0, "kv_hard_cap": 1.0}
+
+
+def _fraction(lo_open: bool, hi_open: bool):
+    """argparse type: a float in (0, 1] / [0, 1) etc. (raises ArgumentTypeError otherwise)."""
+    lo, hi = ("(" if lo_open else "["), (")" if hi_open else "]")
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ((x > 0 if lo_open else x >= 0) and (x < 1 if hi_open else x <= 1)):
+            raise argparse.ArgumentTypeError(f"{text} is not in {lo}0, 1{hi} (a fraction of the KV pool)")
+        return x
+
+    return parse
+
+
+def _key_fraction(text: str) -> tuple[str, float]:
+    """argparse type for KEY=FRAC: a tenant id or tier and a fraction of the pool in (0, 1]."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=FRAC (KEY: a tenant id or tier, FRAC in (0, 1])")
+    return key, _fraction(True, False)(value.strip())
+
+
+def add_kv_quota_arguments(p: argparse.ArgumentParser) -> None:
+    """The `--kv-*` flags of `fairshare worker` (values stay None unless given; see `kv_quota_settings`)."""
+    g = p.add_argument_group("KV quotas", "per-tenant KV-cache quotas (docs/memory-isolation.md); fractions of "
+                                          "the KV pool; KEY = tenant id or tier")
+    g.add_argument("--kv-quota", action=argparse.BooleanOptionalAction, default=False,
+                   help="per-tenant soft quotas, hard caps, headroom and over-quota-first preemption (default off)")
+    g.add_argument("--kv-watermark", type=_fraction(True, False), default=None,
+                   help="pool fraction up to which a tenant may burst past its soft quota (default 0.8)")
+    g.add_argument("--kv-headroom", type=_fraction(False, True), default=None,
+                   help="pool fraction new admissions may not use; running requests may grow into it (default 0.05)")
+    g.add_argument("--kv-shared-buffer", type=_fraction(False, True), default=None,
+                   help="pool fraction left out of the soft quotas (default 0)")
+    g.add_argument("--kv-hard-cap", type=_fraction(True, False), default=None,
+                   help="default per-tenant hard cap (default 1.0 = none)")
+    g.add_argument("--kv-soft-quota", type=_key_fraction, action="append", default=None, metavar="KEY=FRAC",
+                   help="soft quota of a tenant or tier instead of its weight share (repeatable)")
+    g.add_argument("--kv-hard-cap-for", type=_key_fraction, action="append", default=None, metavar="KEY=FRAC",
+                   help="hard cap of a tenant or tier (repeatable)")
+
+
+def kv_quota_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the `--kv-*` flags. Calls `p.error` (exit 2, one line) when a tuning
+    flag is given without --kv-quota, a KEY is given twice, or the fractions do not fit together."""
+    from worker.scheduling.quota import KVQuotaConfig
+
+    tuning = [f"--{k.replace('_', '-')}" for k in (*KV_QUOTA_DEFAULTS, "kv_soft_quota", "kv_hard_cap_for")
+              if getattr(args, k) is not None]
+    if tuning and not args.kv_quota:
+        p.error(f"{', '.join(tuning)} {'needs' if len(tuning) == 1 else 'need'} --kv-quota (KV quotas are off)")
+    tables = {}
+    for flag in ("kv_soft_quota", "kv_hard_cap_for"):
+        table: dict[str, float] = {}
+        for key, frac in getattr(args, flag) or []:
+            if key in table:
+                p.error(f"--{flag.replace('_', '-')}: {key!r} given twice")
+            table[key] = frac
+        tables[flag] = table
+    out = {k: KV_QUOTA_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k) for k in KV_QUOTA_DEFAULTS}
+    out.update(kv_quota=bool(args.kv_quota), kv_soft_quotas=tables["kv_soft_quota"],
+               kv_hard_caps=tables["kv_hard_cap_for"])
+    try:
+        KVQuotaConfig(out["kv_quota"], out["kv_watermark"], out["kv_headroom"], out["kv_shared_buffer"],
+                      out["kv_hard_cap"], out["kv_soft_quotas"], out["kv_hard_caps"]).validate()
+    except ValueError as exc:
+        p.error(f"KV quotas: {exc}".replace("headroom + shared_buffer", "--kv-headroom + --kv-shared-buffer"))
+    return out
+# ---- end of KV quota flags ----------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         from worker.sglang_server import main as sglang_main
 
         return sglang_main(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    kv_quota = kv_quota_settings(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
         print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
@@ -89,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(policy=args.policy, alpha=args.alpha, beta=args.beta,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
-                          max_model_len=args.max_model_len, device=args.device)
+                          max_model_len=args.max_model_len, device=args.device, **kv_quota)
     engine = Engine(model, config)
     from fairshare.telemetry import make_tracer_provider
 

@@ -4,7 +4,9 @@ Two sources:
 
 - `EngineCollector` reads `Engine.snapshot()` at scrape time (no engine changes, no per-step cost):
   scheduler and KV-pool load, and per tenant the charged service, the VTC virtual counter, queue
-  lengths, KV blocks, tokens, finished requests and preemptions.
+  lengths, KV blocks, tokens, finished requests and preemptions; preemptions by reason (out-of-blocks,
+  reclaim); with KV quotas on (``--kv-quota``), per tenant the soft quota and hard cap in blocks,
+  whether it is over its soft quota, and the iterations it waited on its quota.
 - `WorkerMetrics.observe_*`, called by the gRPC servicer as outputs stream: per-tenant TTFT, ITL and
   queue-time histograms, finished requests by reason, prompt and cached prompt tokens (cache hits).
 
@@ -72,6 +74,15 @@ _TENANT_FIELDS = (
      "waiting"),
     ("fairshare_worker_tenant_running_requests", "Requests admitted to the running batch", "gauge", "running"),
     ("fairshare_worker_tenant_kv_blocks", "KV-cache blocks held by the tenant's requests", "gauge", "kv_blocks"),
+    ("fairshare_worker_tenant_quota_waits", "Iterations the tenant's head request waited on its KV quota "
+     "(0 without KV quotas)", "counter", "quota_waits"),
+)
+# KV quotas (only while the worker runs with --kv-quota); not additive: named tenants only
+_TENANT_QUOTA_LEVELS = (
+    ("fairshare_worker_tenant_kv_soft_quota_blocks", "The tenant's soft KV quota, blocks", "kv_soft_quota_blocks"),
+    ("fairshare_worker_tenant_kv_hard_cap_blocks", "The tenant's KV hard cap, blocks", "kv_hard_cap_blocks"),
+    ("fairshare_worker_tenant_kv_over_quota", "1 while the tenant holds more KV blocks than its soft quota",
+     "kv_over_quota"),
 )
 # not additive: reported for named tenants only
 _TENANT_LEVELS = (
@@ -110,6 +121,16 @@ class EngineCollector:
         info = g("fairshare_worker_policy_info", "The scheduling policy (value 1)", labels=["policy"])
         info.add_metric([str(snap["policy"])], 1)
         yield info
+        quota_on = bool(snap.get("kv_quota"))
+        yield g("fairshare_worker_kv_quota_enabled", "1 when per-tenant KV quotas are on (--kv-quota)",
+                value=1 if quota_on else 0)
+        preempt = CounterMetricFamily("fairshare_worker_preemptions", "Preemptions (recompute), by reason: "
+                                      "out-of-blocks (a decode or a stalled prefill found no free block) or "
+                                      "reclaim (KV quotas: made room for a within-quota tenant)", labels=["reason"])
+        reclaim = snap.get("reclaim_preemptions", 0)
+        preempt.add_metric(["out-of-blocks"], max(0, snap.get("preemptions", 0) - reclaim))
+        preempt.add_metric(["reclaim"], reclaim)
+        yield preempt
 
         sums: dict[str, dict[str, float]] = {}
         levels: dict[str, dict[str, float]] = {}
@@ -119,16 +140,16 @@ class EngineCollector:
             for _, _, _, key in _TENANT_FIELDS:
                 acc[key] = acc.get(key, 0) + t.get(key, 0)
             if label != OTHER_TENANT:
-                levels[label] = {key: t.get(key, 0) for _, _, key in _TENANT_LEVELS}
+                levels[label] = {key: t.get(key, 0) for _, _, key in _TENANT_LEVELS + _TENANT_QUOTA_LEVELS}
         for name, doc, kind, key in _TENANT_FIELDS:
             fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["tenant"])
             for label, acc in sums.items():
                 fam.add_metric([label], acc[key])
             yield fam
-        for name, doc, key in _TENANT_LEVELS:
+        for name, doc, key in _TENANT_LEVELS + (_TENANT_QUOTA_LEVELS if quota_on else ()):
             fam = GaugeMetricFamily(name, doc, labels=["tenant"])
             for label, vals in levels.items():
-                fam.add_metric([label], vals[key])
+                fam.add_metric([label], float(vals[key]))
             yield fam
 
 

@@ -199,6 +199,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             waiting=snap["waiting"], running=snap["running"], kv_blocks_used=snap["kv_blocks_used"],
             kv_blocks_total=snap["kv_blocks_total"], kv_block_size=snap["kv_block_size"], policy=snap["policy"],
             iterations=snap["iterations"], draining=self.draining, inflight_tokens=snap["inflight_tokens"],
+            kv_quota_enabled=snap["kv_quota"], reclaim_preemptions=snap["reclaim_preemptions"],
         )
         for t in snap["tenants"]:
             load.tenants.add(
@@ -206,7 +207,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 virtual_counter=t["virtual_counter"], charged_service=t["charged_service"],
                 prompt_tokens=t["prompt_tokens"], output_tokens=t["output_tokens"], waiting=t["waiting"],
                 running=t["running"], kv_blocks=t["kv_blocks"], finished=t["finished"],
-                preemptions=t["preemptions"],
+                preemptions=t["preemptions"], quota_waits=t.get("quota_waits", 0),
+                # KV quotas: 0 / false when the worker runs without them (Load.kv_quota_enabled)
+                kv_soft_quota_blocks=t.get("kv_soft_quota_blocks", 0), kv_hard_cap_blocks=t.get("kv_hard_cap_blocks", 0),
+                kv_over_quota=t.get("kv_over_quota", False),
             )
         return load
 
