@@ -128,8 +128,11 @@ class EngineCollector:
                                       "out-of-blocks (a decode or a stalled prefill found no free block) or "
                                       "reclaim (KV quotas: made room for a within-quota tenant)", labels=["reason"])
         reclaim = snap.get("reclaim_preemptions", 0)
-        preempt.add_metric(["out-of-blocks"], max(0, snap.get("preemptions", 0) - reclaim))
+        returning = snap.get("returning_preemptions")  # once the engine reports them (a returning tenant's slot)
+        preempt.add_metric(["out-of-blocks"], max(0, snap.get("preemptions", 0) - reclaim - (returning or 0)))
         preempt.add_metric(["reclaim"], reclaim)
+        if returning is not None:
+            preempt.add_metric(["returning"], returning)
         yield preempt
 
         sums: dict[str, dict[str, float]] = {}

@@ -166,4 +166,13 @@ def get_workload(name: str) -> Workload:
 
 
 def all_workloads() -> list[Workload]:
+    """The fairness benchmark's workloads (every policy side by side in `fairshare sim report`)."""
     return list(_registry().values())
+
+
+def quota_workloads() -> list[Workload]:
+    """The memory-isolation workloads (loadtests/workloads/memory.py): `fairshare sim report` runs each
+    with KV quotas off and on, side by side, in a section of its own (not in the fairness summary)."""
+    from loadtests.workloads import memory
+
+    return list(memory.WORKLOADS)

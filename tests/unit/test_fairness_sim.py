@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from loadtests.workloads import TenantLoad, Workload, all_workloads, get_workload
+from loadtests.workloads import TenantLoad, Workload, all_workloads, get_workload, quota_workloads
 from worker.scheduling.metrics import compute_metrics
 from worker.sim.driver import run_workload
 from worker.sim.runner import IterationTimeModel, SimItem, SimulatedRunner, VirtualClock
@@ -56,6 +56,8 @@ def test_sim_run_imports_no_torch():
 def test_workloads_are_deterministic_and_shaped_as_described():
     names = [w.name for w in all_workloads()]
     assert len(names) == len(set(names)) == 12
+    # the memory-isolation workloads get their own KV-quota off/on section, not a fairness summary row
+    assert [w.name for w in quota_workloads()] == ["memory-flood"] and "memory-flood" not in names
     for w in all_workloads():
         assert w.generate(seed=1) == w.generate(seed=1)
     on_off = get_workload("on-off").generate(0)
@@ -104,3 +106,32 @@ def test_report_writes_markdown_table_and_plots(tmp_path):
     lines = benchmark_lines(bench)
     assert any(line.startswith("CHECK throughput") for line in lines)
     assert any(line.startswith("cost function:") for line in lines)
+
+
+def test_report_has_the_kv_quota_section_side_by_side(tmp_path):
+    pytest.importorskip("matplotlib")
+    from worker.sim.report import run_benchmark, summary_rows, write_report
+
+    flood = dataclasses.replace(get_workload("memory-flood"), duration_s=60.0)
+    bench = run_benchmark([short("overload", 30.0)], ["vtc", "fcfs"], TIME, rate_scale=1.0, quota_workloads=[flood])
+    assert [r["workload"] for r in summary_rows(bench)] == ["overload"]  # not a fairness row
+    (w, off, on), = bench.quota
+    assert w is flood and off["victim"]["preemptions"] > on["victim"]["preemptions"] == 0
+    write_report(bench, tmp_path / "r.md", tmp_path / "img")
+    text = (tmp_path / "r.md").read_text()
+    assert text.index("## overload") < text.index("## memory-flood: KV quotas off / on")
+    assert "| tenant | requests | served off / on | mean TTFT s off / on | p90 TTFT s off / on | preemptions off / on |" in text
+    victim = next(line for line in text.splitlines() if line.startswith("| victim |"))
+    cells = [c.strip() for c in victim.strip("|").split("|")]
+    assert cells[-1] == f"{off['victim']['preemptions']} / 0"
+    assert cells[3] == f"{off['victim']['ttft_mean']:.2f} / {on['victim']['ttft_mean']:.2f}"
+    assert "Victim `victim`: mean TTFT" in text
+    assert len(list((tmp_path / "img").glob("*.png"))) == 1  # plots for fairness workloads only
+
+
+def test_sim_report_cli_refuses_a_quota_workload_alone(tmp_path):
+    from fairshare.sim import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["report", "--workloads", "memory-flood", "--out", str(tmp_path / "r.md")])
+    assert exc.value.code == 2

@@ -1,10 +1,13 @@
 """Side-by-side simulator report: per-tenant TTFT, preemptions and KV figures with KV quotas off and on.
 
-    python -m worker.sim.quota_report [--workload memory-flood] [--profile PATH] [--seed 0] [--out PATH]
+    python -m worker.sim.quota_report [--workload memory-flood] [--profile PATH] [--seed 0]
+                                      [--rate-scale 1] [--out PATH]
 
 Runs the workload twice through the real engine loop on the simulated runner (same seed, same time
-model): `kv_quota=False` (the quota-less behaviour) and `kv_quota=True` (defaults: soft quota =
-weight share, watermark 0.8, headroom 0.05). Prints (and with --out writes) a markdown table.
+model, same rate scale): `kv_quota=False` (the quota-less behaviour) and `kv_quota=True` (defaults:
+soft quota = weight share, watermark 0.8, headroom 0.05). Prints (and with --out writes) a markdown
+table. `fairshare sim report` writes the same section (`section`) for every workload of
+`loadtests.workloads.quota_workloads()`, at the benchmark's rate scale.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from loadtests.workloads import get_workload
+from loadtests.workloads import Workload, get_workload
 from worker.sim.driver import run_workload
 from worker.sim.runner import IterationTimeModel
 
@@ -58,12 +61,17 @@ def _first_tokens(res):
             yield rid, t
 
 
-def compare(workload_name: str = "memory-flood", time_model: IterationTimeModel | None = None, seed: int = 0,
-            policy: str = "vtc") -> tuple[dict, dict]:
-    w = get_workload(workload_name)
+def compare(workload: Workload | str = "memory-flood", time_model: IterationTimeModel | None = None, seed: int = 0,
+            policy: str = "vtc", rate_scale: float = 1.0, **engine_overrides) -> tuple[dict, dict]:
+    """Run `workload` (a Workload or its name) with KV quotas off, then on; returns the two
+    `tenant_rows` (off, on). engine_overrides: other EngineConfig fields (e.g. alpha, beta).
+    Raises KeyError for an unknown workload name."""
+    w = get_workload(workload) if isinstance(workload, str) else workload
     tm = time_model or IterationTimeModel.load(DEFAULT_PROFILE)
-    off = run_workload(w, policy, tm, seed=seed, keep_token_times=False, kv_quota=False)
-    on = run_workload(w, policy, tm, seed=seed, keep_token_times=False, kv_quota=True)
+    off = run_workload(w, policy, tm, seed=seed, rate_scale=rate_scale, keep_token_times=False,
+                       **{**engine_overrides, "kv_quota": False})
+    on = run_workload(w, policy, tm, seed=seed, rate_scale=rate_scale, keep_token_times=False,
+                      **{**engine_overrides, "kv_quota": True})
     return tenant_rows(off), tenant_rows(on)
 
 
@@ -78,16 +86,39 @@ def table(off: dict, on: dict) -> str:
     return "\n".join(lines)
 
 
+def section(workload: Workload, off: dict, on: dict, policy: str = "vtc", seed: int = 0,
+            rate_scale: float = 1.0) -> list[str]:
+    """Markdown lines of one workload's side-by-side section: a heading, what ran, the table and,
+    for the workload's victim (its `returning_tenant`), one line comparing TTFT and preemptions."""
+    lines = [f"## {workload.name}: KV quotas off / on", "",
+             f"{workload.description} ({workload.source}). Duration {workload.duration_s:g} s, drained for as long "
+             f"again. Policy {policy.upper()}, seed {seed}, rate scale {rate_scale:.4f}; engine overrides "
+             f"{workload.engine}. Off: the quota-less engine (admission by free blocks, newest-first preemption); "
+             "on: per-tenant KV quotas with their defaults (soft quota = weight share, watermark 0.8, headroom "
+             "0.05; docs/memory-isolation.md). *served* = requests that got a first token.", "", table(off, on), ""]
+    victim = workload.returning_tenant
+    if victim in off and victim in on:
+        a, b = off[victim], on[victim]
+        lines += [f"Victim `{victim}`: mean TTFT {a['ttft_mean']:.2f} s without quotas, {b['ttft_mean']:.2f} s with "
+                  f"them; preemptions {a['preemptions']} without, {b['preemptions']} with.", ""]
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.sim.quota_report", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="memory-flood")
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
     ap.add_argument("--policy", default="vtc")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rate-scale", type=float, default=1.0, help="multiplies every arrival rate (default 1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    off, on = compare(args.workload, IterationTimeModel.load(args.profile), args.seed, args.policy)
-    text = (f"## {args.workload}: KV quotas off / on (policy {args.policy}, seed {args.seed})\n\n" + table(off, on))
+    try:
+        workload = get_workload(args.workload)
+    except KeyError as exc:
+        ap.error(exc.args[0])
+    off, on = compare(workload, IterationTimeModel.load(args.profile), args.seed, args.policy, args.rate_scale)
+    text = "\n".join(section(workload, off, on, args.policy, args.seed, args.rate_scale)).rstrip()
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

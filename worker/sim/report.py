@@ -5,8 +5,10 @@ time model and rate scale, draining every request (so all policies complete the 
 plus a solo run of each workload's returning tenant. Fairness figures are taken over the arrival
 window [0, duration]; throughput is tokens per busy second over the whole drained run.
 `write_report` writes the markdown report (the summary table, then every metric per tenant per
-policy) and one PNG per workload (service rate per tenant over time, accumulated service difference
-over time, TTFT per tenant); `benchmark_lines` are the printed figures and checks.
+policy, then the memory-isolation workloads with KV quotas off and on side by side, from
+`worker.sim.quota_report`) and one PNG per fairness workload (service rate per tenant over time,
+accumulated service difference over time, TTFT per tenant); `benchmark_lines` are the printed
+figures and checks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 
 from loadtests.workloads import REFERENCE_CAPACITY_RPS, Workload
 from worker.scheduling.metrics import FairnessMetrics, compute_metrics, vtc_bound
+from worker.sim import quota_report
 from worker.sim.driver import SimResult, estimate_capacity_rps, run_workload
 from worker.sim.runner import IterationTimeModel
 
@@ -38,6 +41,8 @@ class Benchmark:
     policies: list[str]
     results: list[WorkloadResult] = field(default_factory=list)
     engine_overrides: dict = field(default_factory=dict)
+    # memory-isolation workloads, each run with KV quotas off and on: (workload, rows off, rows on)
+    quota: list[tuple[Workload, dict, dict]] = field(default_factory=list)
 
 
 def resolve_rate_scale(rate_scale: str | float, time_model: IterationTimeModel, **engine_overrides):
@@ -49,8 +54,11 @@ def resolve_rate_scale(rate_scale: str | float, time_model: IterationTimeModel, 
 
 
 def run_benchmark(workloads: list[Workload], policies: list[str], time_model: IterationTimeModel, *, seed: int = 0,
-                  rate_scale: str | float = "auto", progress=None, **engine_overrides) -> Benchmark:
-    """Simulate every workload under every policy (and each returning tenant alone)."""
+                  rate_scale: str | float = "auto", progress=None, quota_workloads: list[Workload] = (),
+                  **engine_overrides) -> Benchmark:
+    """Simulate every workload under every policy (and each returning tenant alone), then each of
+    `quota_workloads` under the first policy with KV quotas off and on (`worker.sim.quota_report`),
+    at the same seed and rate scale."""
     scale, cap = resolve_rate_scale(rate_scale, time_model, **engine_overrides)
     bench = Benchmark(time_model, scale, cap, seed, list(policies), engine_overrides=dict(engine_overrides))
     for w in workloads:
@@ -68,6 +76,13 @@ def run_benchmark(workloads: list[Workload], policies: list[str], time_model: It
                                drain_s=math.inf, **engine_overrides)
             solo = compute_metrics(res.log, res.engine.cost, window=res.window).tenants[w.returning_tenant].ttft_mean_s
         bench.results.append(WorkloadResult(w, runs, metrics, solo))
+    for w in quota_workloads:
+        off, on = quota_report.compare(w, time_model, seed, policies[0], scale, **engine_overrides)
+        bench.quota.append((w, off, on))
+        if progress and w.returning_tenant in off:
+            v_off, v_on = off[w.returning_tenant], on[w.returning_tenant]
+            progress(f"{w.name:<20} KV quotas off/on: {w.returning_tenant} TTFT {v_off['ttft_mean']:.2f}/"
+                     f"{v_on['ttft_mean']:.2f} s, preemptions {v_off['preemptions']}/{v_on['preemptions']}")
     return bench
 
 
@@ -316,6 +331,8 @@ def write_report(bench: Benchmark, out: Path, img_dir: Path, command: str = "fai
         if wr.solo_ttft_s is not None:
             lines += [f"Returning tenant `{w.returning_tenant}` alone: mean TTFT {wr.solo_ttft_s:.2f} s.", ""]
         lines += [tenant_table(wr, bench.policies), "", f"![{w.name}]({rel})", ""]
+    for w, off, on in bench.quota:  # memory isolation: its own sections, not in the summary
+        lines += quota_report.section(w, off, on, bench.policies[0], bench.seed, bench.rate_scale)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     written.append(out)
