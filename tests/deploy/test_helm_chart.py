@@ -50,7 +50,8 @@ def test_template_renders_every_component(helm, value_set):
     kinds = {(d["kind"], d["metadata"].get("labels", {}).get("app.kubernetes.io/component")) for d in docs}
     for expected in [("Deployment", "gateway"), ("Service", "gateway"), ("HorizontalPodAutoscaler", "gateway"),
                      ("PodDisruptionBudget", "gateway"), ("StatefulSet", "worker"), ("Service", "worker"),
-                     ("ConfigMap", "gateway"), ("Secret", "gateway"), ("NetworkPolicy", "worker")]:
+                     ("ConfigMap", "gateway"), ("Secret", "gateway"), ("NetworkPolicy", "worker"),
+                     ("NetworkPolicy", "gateway")]:
         assert expected in kinds, f"{expected} missing in {value_set}"
     assert (("Deployment", "redis") in kinds) is not external
     assert (("Service", "redis") in kinds) is not external
@@ -81,6 +82,14 @@ def test_schema_is_json_schema(helm):
     ({"gateway": {"logLevel": "loud"}}, "/gateway/logLevel"),
     ({"redis": {"external": {"url": "http://x"}}}, "/redis/external/url"),
     ({"unknownKey": 1}, "unknownKey"),
+    ({"gateway": {"metrics": {"port": 0}}}, "/gateway/metrics/port"),
+    ({"worker": {"metrics": {"enabled": True, "port": 70000}}}, "/worker/metrics/port"),
+    ({"worker": {"kvQuota": {"enabled": True, "watermark": 1.5}}}, "/worker/kvQuota/watermark"),
+    ({"worker": {"kvQuota": {"enabled": True, "headroom": 1}}}, "/worker/kvQuota/headroom"),
+    ({"worker": {"kvQuota": {"enabled": True, "hardCap": "lots"}}}, "/worker/kvQuota/hardCap"),
+    ({"worker": {"kvQuota": {"enabled": True, "softQuotas": {"acme": 0}}}}, "/worker/kvQuota/softQuotas/acme"),
+    ({"worker": {"kvQuota": {"enabled": True, "hardCaps": {"no spaces": 0.5}}}}, "'no spaces' does not match"),
+    ({"worker": {"kvQuota": {"enable": True}}}, "enable"),
 ])
 def test_schema_rejects_bad_values(helm, tmp_path, values, fragment):
     f = tmp_path / "bad.yaml"
@@ -105,6 +114,17 @@ def test_tenant_schema_matches_the_gateways(helm, tmp_path):
 def test_sglang_engine_needs_gpus(helm):
     res = helm.template(sets=("worker.engine=sglang",))
     assert res.returncode != 0 and "gpu" in res.stderr.lower()
+
+
+@pytest.mark.parametrize("sets,message", [
+    (("gateway.metrics.port=8000",), "gateway.metrics.port must differ"),
+    (("worker.metrics.port=50051",), "worker.metrics.port must differ"),
+    (("worker.kvQuota.enabled=true", "worker.kvQuota.headroom=0.6", "worker.kvQuota.sharedBuffer=0.5"),
+     "headroom + sharedBuffer must be < 1"),
+])
+def test_checks_the_schema_cannot_express(helm, sets, message):
+    res = helm.template(sets=sets)
+    assert res.returncode != 0 and message in res.stderr, res.stderr
 
 
 def test_external_redis_needs_an_address(helm):
@@ -302,13 +322,25 @@ def test_network_policy_lets_only_the_gateway_reach_workers(helm, value_set):
     assert np["spec"]["policyTypes"] == ["Ingress"]
     grpc_ports = {p["name"]: p["containerPort"] for p in container(one(docs, "StatefulSet", "worker"), "worker")["ports"]}
     assert np["spec"]["ingress"], "an empty ingress list would deny the gateway too"
-    for rule in np["spec"]["ingress"]:
+    prometheus = yaml.safe_load((CHART / "values.yaml").read_text())["networkPolicy"]["metricsFrom"]
+    rules = {tuple(p["port"] for p in rule["ports"]): rule for rule in np["spec"]["ingress"]}
+    for ports, rule in rules.items():
         assert rule["from"], "a rule without `from` admits everyone"
+        if ports == ("metrics",):  # Prometheus only, on the metrics port (reference workers serve it)
+            assert "metrics" in grpc_ports and rule["from"] == prometheus
+            continue
         for peer in rule["from"]:
             assert set(peer) == {"podSelector"}, "no namespaceSelector / ipBlock peers"
             assert selects(peer["podSelector"]["matchLabels"], gateways)
             assert not selects(peer["podSelector"]["matchLabels"], workers)
-        assert [p["port"] for p in rule["ports"]] == ["grpc"] and "grpc" in grpc_ports
+        assert ports == ("grpc",) and "grpc" in grpc_ports
+    assert ("grpc",) in rules and (("metrics",) in rules) is ("metrics" in grpc_ports)
+    # the gateway: the API port open, the admin listener (/metrics) to Prometheus only
+    gp = [p for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"]["matchLabels"], gateways)]
+    assert len(gp) == 1 and gp[0]["spec"]["policyTypes"] == ["Ingress"]
+    by_port = {tuple(p["port"] for p in rule["ports"]): rule for rule in gp[0]["spec"]["ingress"]}
+    assert set(by_port) == {("http",), ("metrics",)}
+    assert "from" not in by_port[("http",)] and by_port[("metrics",)]["from"] == prometheus
     if "external-redis" not in value_set:
         redis = pod_labels(one(docs, "Deployment", "redis"))
         rp = [p for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"]["matchLabels"], redis)]
@@ -365,16 +397,86 @@ def test_gateway_hpa_and_pdbs_target_the_right_pods(helm):
     assert one(fixed, "Deployment", "gateway")["spec"]["replicas"] == 3
 
 
-def test_service_monitor_is_optional_and_scrapes_the_gateway(helm):
+def _port_chain(docs, sm, workload):
+    """The ServiceMonitor `sm` -> the one Service it selects -> the container port it reaches on
+    `workload`'s pods. Returns (service, container, containerPort number)."""
+    sel = sm["spec"]["selector"]["matchLabels"]
+    services = [s for s in of_kind(docs, "Service") if selects(sel, s["metadata"]["labels"])]
+    assert len(services) == 1, [s["metadata"]["name"] for s in services]
+    svc = services[0]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    svc_port = {p["name"]: p for p in svc["spec"]["ports"]}[endpoint["port"]]
+    assert selects(svc["spec"]["selector"], pod_labels(workload))
+    c = pod_spec(workload)["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    return svc, c, ports[svc_port["targetPort"]]
+
+
+def test_service_monitor_is_optional_and_scrapes_the_metrics_ports(helm):
     assert not of_kind(helm.render(), "ServiceMonitor")
     docs = helm.render(sets=("serviceMonitor.enabled=true", "serviceMonitor.labels.release=prom"))
-    sm = one(docs, "ServiceMonitor")
-    svc = one(docs, "Service", "gateway")
-    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
-    assert sm["metadata"]["labels"]["release"] == "prom"
-    assert selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
-    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
-    assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
+    sms = {sm["metadata"]["labels"]["app.kubernetes.io/component"]: sm for sm in of_kind(docs, "ServiceMonitor")}
+    assert set(sms) == {"gateway", "worker"}
+    for sm in sms.values():
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"]["release"] == "prom"
+        assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+    # gateway: the admin listener (the public port answers /metrics with 403)
+    dep = one(docs, "Deployment", "gateway")
+    svc, gw, port = _port_chain(docs, sms["gateway"], dep)
+    env = env_of(gw)
+    assert int(env["FAIRSHARE_METRICS_PORT"]["value"]) == port == 9100
+    assert env["FAIRSHARE_METRICS_HOST"]["value"] == "0.0.0.0"
+    assert port != {p["name"]: p["containerPort"] for p in gw["ports"]}["http"]
+    assert svc["spec"]["type"] == "ClusterIP", "metrics never on the public (maybe LoadBalancer) Service"
+    public = [s for s in of_kind(docs, "Service") if s["metadata"]["labels"]["app.kubernetes.io/component"] == "gateway"
+              and s is not svc]
+    assert len(public) == 1 and "metrics" not in {p["name"] for p in public[0]["spec"]["ports"]}
+    # worker: --metrics-port
+    sts = one(docs, "StatefulSet", "worker")
+    _, worker, port = _port_chain(docs, sms["worker"], sts)
+    assert int(worker["args"][worker["args"].index("--metrics-port") + 1]) == port == 9101
+    # other ports are values
+    docs = helm.render(sets=("serviceMonitor.enabled=true", "gateway.metrics.port=9300", "worker.metrics.port=9301"))
+    sms = {sm["metadata"]["labels"]["app.kubernetes.io/component"]: sm for sm in of_kind(docs, "ServiceMonitor")}
+    _, gw, port = _port_chain(docs, sms["gateway"], one(docs, "Deployment", "gateway"))
+    assert port == 9300 and env_of(gw)["FAIRSHARE_METRICS_PORT"]["value"] == "9300"
+    _, worker, port = _port_chain(docs, sms["worker"], one(docs, "StatefulSet", "worker"))
+    assert port == 9301 and worker["args"][worker["args"].index("--metrics-port") + 1] == "9301"
+
+
+@pytest.mark.parametrize("value_set", GPU_SETS)
+def test_sglang_workers_get_no_reference_only_flags(helm, value_set):
+    """The SGLang worker has no --metrics-port or --kv-* flags: the chart passes none, scrapes none."""
+    docs = helm.render(VALUE_SETS[value_set], ("serviceMonitor.enabled=true",))
+    worker = container(one(docs, "StatefulSet", "worker"), "worker")
+    assert not [a for a in worker["args"] if a.startswith("--metrics") or a.startswith("--kv-")]
+    assert "metrics" not in {p["name"] for p in worker["ports"]}
+    assert [sm["metadata"]["labels"]["app.kubernetes.io/component"] for sm in of_kind(docs, "ServiceMonitor")] == ["gateway"]
+    res = helm.template(VALUE_SETS[value_set], ("worker.kvQuota.enabled=true",))
+    assert res.returncode != 0 and "FAIRSHARE_SGLANG_KV_QUOTAS" in res.stderr
+
+
+def test_kv_quota_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
+    from worker.cli import build_parser, kv_quota_settings
+
+    worker = container(one(helm.render(), "StatefulSet", "worker"), "worker")
+    assert not [a for a in worker["args"] if a.startswith("--kv-")], "KV quotas are off by default"
+    f = tmp_path / "quota.yaml"
+    f.write_text(yaml.safe_dump({"worker": {"kvQuota": {
+        "enabled": True, "watermark": 0.9, "headroom": 0.1, "sharedBuffer": 0.05, "hardCap": 0.75,
+        "softQuotas": {"acme": 0.3, "batch": 0.1}, "hardCaps": {"globex": 0.5}}}}))
+    args = container(one(helm.render((str(f),)), "StatefulSet", "worker"), "worker")["args"]
+    parser = build_parser()
+    settings = kv_quota_settings(parser, parser.parse_args(args))  # exits on anything the worker refuses
+    assert settings == {"kv_quota": True, "kv_watermark": 0.9, "kv_headroom": 0.1, "kv_shared_buffer": 0.05,
+                        "kv_hard_cap": 0.75, "kv_soft_quotas": {"acme": 0.3, "batch": 0.1},
+                        "kv_hard_caps": {"globex": 0.5}}
+    # as `--set` passes them (strings)
+    args = container(one(helm.render(sets=("worker.kvQuota.enabled=true", "worker.kvQuota.watermark=0.7",
+                                           "worker.kvQuota.softQuotas.batch=0.2")), "StatefulSet", "worker"), "worker")["args"]
+    settings = kv_quota_settings(parser, parser.parse_args(args))
+    assert settings["kv_watermark"] == 0.7 and settings["kv_soft_quotas"] == {"batch": 0.2}
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)

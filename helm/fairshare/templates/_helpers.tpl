@@ -114,9 +114,27 @@ else a new random one. */}}
 {{- if and .Values.worker.modelVolume.enabled (not .Values.worker.modelVolume.source) -}}
 {{- fail "worker.modelVolume.enabled=true needs worker.modelVolume.source (a pod volume source)" -}}
 {{- end -}}
+{{- if eq (int .Values.gateway.metrics.port) (int .Values.gateway.port) -}}
+{{- fail "gateway.metrics.port must differ from gateway.port (the admin listener serves /metrics apart from the API)" -}}
+{{- end -}}
+{{- if and .Values.worker.metrics.enabled (eq (int .Values.worker.metrics.port) (int .Values.worker.port)) -}}
+{{- fail "worker.metrics.port must differ from worker.port" -}}
+{{- end -}}
+{{- $q := .Values.worker.kvQuota -}}
+{{- if and $q.enabled (ne .Values.worker.engine "reference") -}}
+{{- fail "worker.kvQuota applies to the reference engine; the SGLang plugin reads FAIRSHARE_SGLANG_KV_QUOTAS (worker.extraEnv)" -}}
+{{- end -}}
+{{- if and $q.enabled (ge (addf (float64 (default 0 $q.headroom)) (float64 (default 0 $q.sharedBuffer))) 1.0) -}}
+{{- fail "worker.kvQuota: headroom + sharedBuffer must be < 1" -}}
+{{- end -}}
 {{- range .Values.tenants -}}
 {{- if hasKey . "api_key_digests" -}}
 {{- fail (printf "tenant %s: api_key_digests belong in the Secret (secrets.keysFile), not in tenants" .id) -}}
 {{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Whether workers serve Prometheus metrics (the reference engine's --metrics-port). */}}
+{{- define "fairshare.worker.metrics" -}}
+{{- if and .Values.worker.metrics.enabled (eq .Values.worker.engine "reference") -}}true{{- end -}}
 {{- end -}}
