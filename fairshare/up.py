@@ -3,7 +3,8 @@
 ::
 
     fairshare up [--host 127.0.0.1] [--port 8000] [--worker-port 50051] [--redis-port 6390]
-                 [--model smollm2] [--policy vtc] [--state-dir DIR] [--verbose]
+                 [--model smollm2] [--policy vtc] [--max-running N] [--kv-quota | --no-kv-quota]
+                 [--state-dir DIR] [--verbose]
 
 What it does, in order:
 
@@ -404,8 +405,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "else ~/.local/state/fairshare; env FAIRSHARE_STATE_DIR)")
     p.add_argument("--max-running", type=int, default=None,
                    help="most sequences the worker runs at once (default: the worker's own default)")
+    p.add_argument("--kv-quota", action=argparse.BooleanOptionalAction, default=None,
+                   help="per-tenant KV quotas in the worker (fairshare worker --kv-quota; default: the worker's, "
+                        "off; docs/memory-isolation.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the worker's and gateway's logs")
     return p
+
+
+def worker_command(args) -> list[str]:
+    """The `fairshare worker` command line for the parsed `fairshare up` arguments."""
+    cmd = [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1",
+           "--port", str(args.worker_port), "--model", args.model, "--policy", args.policy,
+           "--drain-timeout", "5"]
+    if args.max_running:
+        cmd += ["--max-running", str(args.max_running)]
+    if args.kv_quota is not None:
+        cmd.append("--kv-quota" if args.kv_quota else "--no-kv-quota")
+    return cmd
 
 
 def check_ports(args) -> None:
@@ -622,12 +638,7 @@ def _run(args, state: Path, children: list[Child]) -> int:
     worker_addr = f"127.0.0.1:{args.worker_port}"
     print(f"fairshare up: starting worker on {worker_addr} (model {args.model}, policy {args.policy}; "
           "the first run converts the model once)", flush=True)
-    worker_cmd = [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1",
-                  "--port", str(args.worker_port), "--model", args.model, "--policy", args.policy,
-                  "--drain-timeout", "5"]
-    if args.max_running:
-        worker_cmd += ["--max-running", str(args.max_running)]
-    worker = spawn("worker", worker_cmd, logs / "worker.log", echo=True, children=children)
+    worker = spawn("worker", worker_command(args), logs / "worker.log", echo=True, children=children)
     _write_run_file(state, args, children)
     _wait_until(lambda: worker_ready(worker_addr), worker, WORKER_READY_TIMEOUT_S, "the worker", children)
     if not args.verbose:

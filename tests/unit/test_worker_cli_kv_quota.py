@@ -64,3 +64,19 @@ def test_bad_value_from_the_command_line_exits_2_without_traceback():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "Traceback" not in res.stderr and "--kv-soft-quota" in res.stderr
+
+
+def test_fairshare_up_passes_kv_quota_to_its_worker():
+    from fairshare.up import build_parser as up_parser
+    from fairshare.up import worker_command
+
+    def worker_args(*argv: str) -> list[str]:
+        cmd = worker_command(up_parser().parse_args(list(argv)))
+        return cmd[cmd.index("worker") + 1:]
+
+    assert not [a for a in worker_args() if "kv-quota" in a]  # the worker's own default
+    on, off = worker_args("--kv-quota"), worker_args("--no-kv-quota")
+    assert "--kv-quota" in on and "--no-kv-quota" in off
+    p = build_parser()
+    assert kv_quota_settings(p, p.parse_args(on))["kv_quota"] is True
+    assert kv_quota_settings(p, p.parse_args(off))["kv_quota"] is False
