@@ -195,8 +195,10 @@ def test_fcfs_gives_the_budget_to_the_earliest_head():
 
 def run_memory_case(max_skips, iterations=150):
     """A 20-block pool; tenant `s` keeps 3 small requests (1 block of prompt, 8 outputs) waiting;
-    tenant `big` has one 200-token prompt (13 blocks) that only fits once memory drains."""
-    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(20, 16), 512, 64, max_skips=max_skips)
+    tenant `big` has one 200-token prompt (13 blocks) that only fits once memory drains. The
+    returning-tenant rule (which would preempt `s` for `big`) is off: this exercises the gate alone."""
+    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(20, 16), 512, 64, max_skips=max_skips,
+                      returning_preemption=False)
     big = seq("big", 200, max_tokens=2)
     for k in range(8):  # staggered lengths: they finish one or two at a time, never all together
         sched.add(seq("s", 16, max_tokens=4 + k))
@@ -212,7 +214,8 @@ def run_memory_case(max_skips, iterations=150):
 
 
 def test_memory_skip_counts_only_when_another_tenant_is_admitted():
-    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(12, 16), 512, 64, max_skips=2)
+    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(12, 16), 512, 64, max_skips=2,
+                      returning_preemption=False)  # the gate alone
     for _ in range(4):
         sched.add(seq("s", 40, max_tokens=30))               # 3 blocks each: the pool is full
     commit(sched, sched.schedule())

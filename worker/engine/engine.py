@@ -48,6 +48,8 @@ class EngineConfig:
     max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
     admitted sequences. block_size: tokens per KV block. num_kv_blocks: pool size (None: from
     kv_cache_mb). max_model_len: context limit (None: the model's).
+    returning_preemption: a tenant returning below its slot share gets a running slot at once,
+    preempting an over-share tenant (worker/scheduling/returning.py; never under FCFS).
     kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
     fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
     admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
@@ -72,6 +74,7 @@ class EngineConfig:
     kv_cache_mb: float = 1024.0
     max_model_len: int | None = None
     device: str = "cpu"
+    returning_preemption: bool = True
     kv_quota: bool = False
     kv_watermark: float = 0.8
     kv_headroom: float = 0.05
@@ -150,7 +153,8 @@ class Engine:
         self.quota = KVQuota(cfg.quota_config(), runner.num_kv_blocks) if cfg.kv_quota else None
         self.scheduler = Scheduler(self.policy, self.cost, self.block_manager, cfg.max_num_batched_tokens,
                                    cfg.max_running, prefill_slice=cfg.prefill_slice, max_skips=cfg.max_skips,
-                                   clock=self.clock, quota=self.quota)
+                                   clock=self.clock, quota=self.quota,
+                                   returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs")
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
         pool_tokens = runner.num_kv_blocks * runner.block_size

@@ -54,6 +54,7 @@ from worker.scheduling.cost import CostFunction
 from worker.scheduling.eligibility import EligibilityGate
 from worker.scheduling.policy import SchedulingPolicy
 from worker.scheduling.quota import KVQuota
+from worker.scheduling.returning import ReturningAdmission
 
 
 @dataclass
@@ -83,13 +84,15 @@ class Scheduler:
     max_running: most sequences admitted at once. prefill_slice: tokens per policy pick when the
     prefill budget is split (>= 1). max_skips: memory skips before a reservation (see
     `EligibilityGate`). clock: seconds, monotonic (the simulator passes a virtual clock).
-    Raises ValueError on non-positive sizes.
+    returning_preemption: give a returning tenant below its slot share a running slot at once,
+    preempting an over-share tenant if needed (`worker.scheduling.returning`; the engine turns it
+    off for FCFS). Raises ValueError on non-positive sizes.
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, block_manager: BlockManager,
                  max_num_batched_tokens: int = 512, max_running: int = 64, *, prefill_slice: int = 16,
                  max_skips: int = 8, clock: Callable[[], float] = time.monotonic,
-                 quota: KVQuota | None = None) -> None:
+                 quota: KVQuota | None = None, returning_preemption: bool = True) -> None:
         if max_num_batched_tokens < 1 or max_running < 1 or prefill_slice < 1:
             raise ValueError("max_num_batched_tokens, max_running and prefill_slice must be >= 1")
         self.policy = policy
@@ -113,12 +116,17 @@ class Scheduler:
         self.reclaim_preemptions = 0
         self.quota_waits: dict[str, int] = {}      # tenant -> iterations its head waited on its quota
         self._no_burst: set[str] = set()           # tenants preempted by reclaim this iteration
+        self.returning = ReturningAdmission() if returning_preemption else None
+        self._reserved: dict[str, list[int]] = {}  # returning tenant -> [slots, blocks] held for it
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (the policy sees the arrival). Raises ValueError on a duplicate id."""
         if seq.request_id in self.by_id:
             raise ValueError(f"duplicate request id {seq.request_id!r}")
+        if self.returning is not None:
+            acct = self.policy.accounts.get(seq.tenant_id)
+            self.returning.on_arrival(seq.tenant_id, acct is not None and acct.backlogged)
         self.policy.on_arrival(seq.tenant_id, seq.weight, seq.tier)
         if self.quota is not None:
             self.quota.observe(seq.tenant_id, seq.weight, seq.tier)
@@ -196,6 +204,9 @@ class Scheduler:
         self._no_burst = set()
         if self.quota is not None:
             self._reclaim()
+        self._reserved = {}
+        if self.returning is not None:
+            self._make_room_for_returning()
 
         # 1. Decodes (one token each), oldest admission first; preempt the newest when out of blocks.
         for seq in list(self.running):
@@ -305,10 +316,12 @@ class Scheduler:
         this iteration, counted by the gate); a running partial prefill needs one free token slot."""
         if seq.status is not SequenceStatus.WAITING:
             return self._room(seq, have) > 0
-        if len(self.running) >= self.max_running:
+        held_slots, held_blocks = self._held_for_others(seq.tenant_id)
+        if len(self.running) + held_slots >= self.max_running:
             return False
         need = self.blocks.blocks_needed(seq, seq.num_uncomputed)
-        free = self._uncommitted  # blocks already promised to running prefills are not free
+        # blocks already promised to running prefills, or held for a returning tenant, are not free
+        free = self._uncommitted - held_blocks
         if self.quota is not None:
             why = self._quota_refusal(seq, need)
             if why is not None:
@@ -392,6 +405,94 @@ class Scheduler:
                 self.reclaim_preemptions += 1
                 self._no_burst.add(victim_tenant)
 
+    # ---- returning tenants -----------------------------------------------------------------------
+    def _held_for_others(self, tenant_id: str) -> tuple[int, int]:
+        """(slots, blocks) held this iteration for returning tenants other than `tenant_id`."""
+        slots = blocks = 0
+        for tenant, (s, b) in self._reserved.items():
+            if tenant != tenant_id:
+                slots, blocks = slots + s, blocks + b
+        return slots, blocks
+
+    def _make_room_for_returning(self) -> None:
+        """Hold a running slot and KV room for the heads of returning tenants below their slot
+        share, preempting over-share tenants' latest admissions where there is none (see
+        `worker.scheduling.returning`): one head per tenant per iteration, and only for the tenant
+        the policy would serve next among all waiting heads."""
+        assert self.returning is not None
+        ret = self.returning
+        for tenant in [t for t in ret.returning if not self.waiting.get(t)]:
+            ret.done(tenant)
+        if not ret.returning:
+            return
+        weights: dict[str, float] = {}
+        tiers: dict[str, str] = {}
+        running: dict[str, int] = {}
+        for seq in self.running:
+            running[seq.tenant_id] = running.get(seq.tenant_id, 0) + 1
+        for seq in list(self.running) + [q[0] for q in self.waiting.values() if q]:
+            weights[seq.tenant_id], tiers[seq.tenant_id] = seq.weight, seq.tier
+        # the batch the pool holds now: max_running when slots bind, fewer when KV memory does
+        batch = max(1, len(self.running))
+        shares = ret.slot_shares(weights, batch)
+        heads = {t: q[0] for t, q in self.waiting.items() if q}
+        arrival = {t: h.arrival_time for t, h in heads.items()}
+        for tenant in self.policy.order(list(ret.returning), arrival):
+            if not ret.below_share(running.get(tenant, 0), shares[tenant]):
+                ret.done(tenant)  # at its share: VTC alone from here on
+                continue
+            # only while the policy would serve it next (so the room never goes to a tenant ahead
+            # of its counter), and one head per iteration (the next pick is after its charge)
+            if not self.policy.is_first(tenant, list(heads), arrival):
+                continue
+            if self._hold_room(tenant, heads[tenant], running, weights, tiers, batch):
+                running[tenant] = running.get(tenant, 0) + 1
+                if not ret.below_share(running[tenant], shares[tenant]):
+                    ret.done(tenant)  # reached its share once: VTC alone from here on
+
+    def _hold_room(self, tenant: str, head: Sequence, running: dict[str, int], weights: dict[str, float],
+                   tiers: dict[str, str], batch: int) -> bool:
+        """Reserve one slot and `head`'s blocks for `tenant`, preempting victims if needed. Returns
+        False (preempting nothing) when the victims available cannot make the room."""
+        assert self.returning is not None
+        need = self.blocks.blocks_needed(head, head.num_uncomputed)
+        if self.quota is not None and self._committed(tenant) + need > self.quota.soft_blocks(tenant):
+            return False  # it would go over its soft quota: not a case for preemption
+        slots, blocks = self._held_for_others(tenant)
+        mine = self._reserved.get(tenant, [0, 0])
+        headroom = self.quota.headroom_blocks if self.quota is not None else 0
+
+        def fits(freed_blocks: int) -> bool:
+            free = self.blocks.num_free + freed_blocks - self._outstanding_prefill_blocks() - blocks - mine[1] - headroom
+            return need <= self.gate.available_blocks(tenant, head.request_id, free)
+
+        allowed = None
+        if self.quota is not None:
+            over = {t for t, b in self.held_by_tenant().items() if self.quota.over_soft(t, b)}
+            allowed = over or None
+        # plan the victims first; preempt only if the plan makes the room
+        plan: list[Sequence] = []
+        sim_running = dict(running)
+        freed = 0
+        no_slot = len(self.running) + slots + mine[0] >= self.max_running
+        while no_slot or not fits(freed):
+            victim_tenant = self.returning.victim_tenant(tenant, sim_running, weights, tiers, batch, allowed)
+            victim = next((s for s in reversed(self.running) if s.tenant_id == victim_tenant
+                           and all(s is not p for p in plan)), None)
+            if victim is None:
+                return False
+            plan.append(victim)
+            sim_running[victim.tenant_id] -= 1
+            # its blocks return to the pool and the blocks its prefill was promised are no longer owed
+            freed += max(len(victim.block_table), self.blocks.blocks_for(victim.num_tokens))
+            no_slot = False
+        for victim in plan:
+            self._preempt(victim)
+            running[victim.tenant_id] -= 1
+            self.returning.preemptions += 1
+        self._reserved[tenant] = [mine[0] + 1, mine[1] + need]
+        return True
+
     def _admit(self, seq: Sequence) -> None:
         # Tenants whose head did not fit this iteration are skipped in favour of this admission.
         for tenant, (request_id, need) in self._unfit.items():
@@ -406,6 +507,12 @@ class Scheduler:
         self._admit_counter += 1
         self.running.append(seq)
         self.gate.on_admit(seq.tenant_id, seq.request_id)
+        held = self._reserved.get(seq.tenant_id)
+        if held is not None:
+            held[0] -= 1
+            held[1] -= self.blocks.blocks_needed(seq, seq.num_uncomputed)
+            if held[0] <= 0:
+                del self._reserved[seq.tenant_id]
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.clock()
             self.policy.on_admit(seq.tenant_id, seq.request_id, len(seq.prompt_token_ids), seq.max_tokens)

@@ -152,6 +152,10 @@ class SchedulingPolicy:
             raise ValueError("pick() needs at least one candidate tenant")
         return ordered[0]
 
+    def is_first(self, tenant_id: str, tenant_ids: Iterable[str], arrival: dict[str, float]) -> bool:
+        """Whether `tenant_id` is (one of) the most deserving among `tenant_ids` (ties count)."""
+        return self.order(tenant_ids, arrival)[0] == tenant_id
+
     def describe(self) -> str:
         """One line naming the policy and its parameters (printed by reports)."""
         return self.name
@@ -176,6 +180,11 @@ class VTCPolicy(SchedulingPolicy):
 
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
         return sorted(tenant_ids, key=lambda t: (self.accounts[t].virtual_counter, t))
+
+    def is_first(self, tenant_id: str, tenant_ids: Iterable[str], arrival: dict[str, float]) -> bool:
+        """Smallest counter, ties included (a tenant lifted to the smallest counter qualifies)."""
+        mine = self.accounts[tenant_id].virtual_counter
+        return all(mine <= self.accounts[t].virtual_counter for t in tenant_ids)
 
     def pick(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> str:
         accounts = self.accounts
