@@ -4,6 +4,7 @@
     fairshare sim calibrate [--model random-tiny] [--device cpu] [--threads N] [--repeats 5] [--out PATH]
     fairshare sim run WORKLOAD [--policy vtc|vtc-pred|drr|fcfs] [--profile PATH] [--seed 0]
                                [--rate-scale auto|X] [--cost linear|profiled] [--alpha 1 --beta 2] [--quantum 512]
+                               [--kv-quota]
     fairshare sim report [--workloads all|a,b] [--policies vtc,drr,fcfs] [--out docs/fairness-report.md]
                          [--img-dir docs/img] [--profile PATH] [--seed 0] [--rate-scale auto|X]
 
@@ -39,7 +40,8 @@ def _profile(path: str | None):
 
 
 def _engine_overrides(args) -> dict:
-    out = {"cost": args.cost, "alpha": args.alpha, "beta": args.beta, "drr_quantum": args.quantum}
+    out = {"cost": args.cost, "alpha": args.alpha, "beta": args.beta, "drr_quantum": args.quantum,
+           "kv_quota": True if args.kv_quota else None}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -51,6 +53,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, default=None, help="service units per prompt token (linear cost)")
     p.add_argument("--beta", type=float, default=None, help="service units per output token (linear cost)")
     p.add_argument("--quantum", type=float, default=None, help="DRR quantum, service units")
+    p.add_argument("--kv-quota", action="store_true",
+                   help="run with per-tenant KV quotas on (default off, as `fairshare worker`; docs/memory-isolation.md)")
 
 
 def cmd_list(argv: list[str]) -> int:
@@ -105,6 +109,8 @@ def cmd_run(argv: list[str]) -> int:
     print(f"workload {workload.name}: {workload.description}")
     print(f"policy: {res.engine.policy.describe()}")
     print(f"cost function: {res.engine.cost.describe()}")
+    if res.config.kv_quota:
+        print("per-tenant KV quotas: on (defaults; docs/memory-isolation.md)")
     print("weights: " + ", ".join(f"{t}={w:g}" for t, w in workload.weights().items()))
     print(f"time model: {tm.describe()}")
     print(f"rate scale {scale:.4f}" + (f" (capacity {cap:.3f} req/s)" if cap else "")

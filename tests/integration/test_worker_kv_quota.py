@@ -136,3 +136,54 @@ def test_worker_without_quotas_reports_them_off(worker_addr):
     assert not load.kv_quota_enabled and load.reclaim_preemptions == 0
     plain = _tenants(load)["plain"]
     assert (plain.kv_soft_quota_blocks, plain.kv_hard_cap_blocks, plain.kv_over_quota, plain.quota_waits) == (0, 0, False, 0)
+
+
+def test_preemptions_by_reason_and_quota_gauges_from_the_engine_snapshot():
+    """The three preemption reasons add up to the engine's total; quota gauges only with quotas on;
+    non-additive quota figures are not reported for the `other` label."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from worker.metrics import WorkerMetrics
+
+    class Engine:
+        def __init__(self, snap):
+            self.snap = snap
+
+        def snapshot(self):
+            return self.snap
+
+    def tenant(tid, **kw):
+        t = {"tenant_id": tid, "weight": 1.0, "virtual_counter": 0.0, "charged_service": 0.0, "prompt_tokens": 0,
+             "output_tokens": 0, "waiting": 0, "running": 0, "kv_blocks": 0, "finished": 0, "preemptions": 0,
+             "quota_waits": 0}
+        t.update(kw)
+        return t
+
+    def samples(snap, max_tenants=64):
+        out = {}
+        for fam in text_string_to_metric_families(WorkerMetrics(Engine(snap), max_tenants=max_tenants).render().decode()):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    base = {"waiting": 0, "running": 0, "kv_blocks_used": 9, "kv_blocks_total": 64, "kv_block_size": 16,
+            "policy": "vtc", "iterations": 5, "inflight_tokens": 0, "preemptions": 10, "reclaim_preemptions": 3,
+            "returning_preemptions": 2, "kv_quota": True,
+            "tenants": [tenant("a", kv_blocks=9, quota_waits=4, kv_soft_quota_blocks=5, kv_hard_cap_blocks=64,
+                               kv_over_quota=True),
+                        tenant("b", quota_waits=1, kv_soft_quota_blocks=5, kv_hard_cap_blocks=64, kv_over_quota=False)]}
+    s = samples(base, max_tenants=1)
+    reasons = {dict(k[1])["reason"]: v for k, v in s.items() if k[0] == "fairshare_worker_preemptions_total"}
+    assert reasons == {"out-of-blocks": 5, "reclaim": 3, "returning": 2}
+    assert s[("fairshare_worker_kv_quota_enabled", ())] == 1
+    assert s[("fairshare_worker_tenant_kv_over_quota", (("tenant", "a"),))] == 1
+    assert s[("fairshare_worker_tenant_kv_soft_quota_blocks", (("tenant", "a"),))] == 5
+    assert ("fairshare_worker_tenant_kv_soft_quota_blocks", (("tenant", "other"),)) not in s
+    assert s[("fairshare_worker_tenant_quota_waits_total", (("tenant", "other"),))] == 1
+
+    off = dict(base, kv_quota=False, reclaim_preemptions=0, returning_preemptions=0,
+               tenants=[tenant("a", kv_blocks=9)])
+    s = samples(off)
+    assert s[("fairshare_worker_kv_quota_enabled", ())] == 0
+    assert s[("fairshare_worker_preemptions_total", (("reason", "out-of-blocks"),))] == 10
+    assert not [k for k in s if k[0].startswith("fairshare_worker_tenant_kv_soft")]

@@ -135,3 +135,13 @@ def test_sim_report_cli_refuses_a_quota_workload_alone(tmp_path):
     with pytest.raises(SystemExit) as exc:
         main(["report", "--workloads", "memory-flood", "--out", str(tmp_path / "r.md")])
     assert exc.value.code == 2
+
+
+def test_sim_run_with_kv_quotas(capsys):
+    from fairshare.sim import main
+
+    assert main(["run", "memory-flood", "--kv-quota", "--rate-scale", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "per-tenant KV quotas: on" in out and "victim" in out
+    assert main(["run", "memory-flood", "--rate-scale", "1"]) == 0
+    assert "KV quotas" not in capsys.readouterr().out

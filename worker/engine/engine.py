@@ -440,6 +440,7 @@ class Engine:
             "iterations": self.scheduler.stats.iterations, "inflight_tokens": inflight,
             "kv_quota": self.quota is not None, "preemptions": self.scheduler.stats.preemptions,
             "reclaim_preemptions": self.scheduler.reclaim_preemptions,
+            "returning_preemptions": getattr(self.scheduler.returning, "preemptions", 0),
         }
 
 
