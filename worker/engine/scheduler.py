@@ -417,8 +417,10 @@ class Scheduler:
     def _make_room_for_returning(self) -> None:
         """Hold a running slot and KV room for the heads of returning tenants below their slot
         share, preempting over-share tenants' latest admissions where there is none (see
-        `worker.scheduling.returning`): one head per tenant per iteration, and only for the tenant
-        the policy would serve next among all waiting heads."""
+        `worker.scheduling.returning`): heads in queue order while the policy would still serve the
+        tenant first, after charging the heads held before it (one chunk of slack; policies without
+        counters: one head per iteration), among the tenants whose heads could take a slot now
+        (none when every slot is taken: the others wait for a slot anyway)."""
         assert self.returning is not None
         ret = self.returning
         for tenant in [t for t in ret.returning if not self.waiting.get(t)]:
@@ -437,18 +439,23 @@ class Scheduler:
         shares = ret.slot_shares(weights, batch)
         heads = {t: q[0] for t, q in self.waiting.items() if q}
         arrival = {t: h.arrival_time for t, h in heads.items()}
+        slack = self.cost.prefill(self.max_num_batched_tokens)  # one chunk: within VTC's bound
+        # the tenants whose heads could take a slot now; with every slot taken, nobody else's can
+        rivals = list(heads) if len(self.running) < self.max_running else []
         for tenant in self.policy.order(list(ret.returning), arrival):
-            if not ret.below_share(running.get(tenant, 0), shares[tenant]):
-                ret.done(tenant)  # at its share: VTC alone from here on
-                continue
-            # only while the policy would serve it next (so the room never goes to a tenant ahead
-            # of its counter), and one head per iteration (the next pick is after its charge)
-            if not self.policy.is_first(tenant, list(heads), arrival):
-                continue
-            if self._hold_room(tenant, heads[tenant], running, weights, tiers, batch):
+            promised = -slack
+            for head in list(self.waiting[tenant]):
+                if not ret.below_share(running.get(tenant, 0), shares[tenant]):
+                    ret.done(tenant)  # at its share: VTC alone from here on
+                    break
+                # only while the policy would still serve it first among the rivals once the heads
+                # already held for it are charged (beyond one chunk of slack)
+                if not self.policy.is_first(tenant, rivals or [tenant], arrival, ahead_units=promised):
+                    break
+                if not self._hold_room(tenant, head, running, weights, tiers, batch):
+                    break
                 running[tenant] = running.get(tenant, 0) + 1
-                if not ret.below_share(running[tenant], shares[tenant]):
-                    ret.done(tenant)  # reached its share once: VTC alone from here on
+                promised += self.cost.prefill(head.num_uncomputed)
 
     def _hold_room(self, tenant: str, head: Sequence, running: dict[str, int], weights: dict[str, float],
                    tiers: dict[str, str], batch: int) -> bool:

@@ -152,9 +152,12 @@ class SchedulingPolicy:
             raise ValueError("pick() needs at least one candidate tenant")
         return ordered[0]
 
-    def is_first(self, tenant_id: str, tenant_ids: Iterable[str], arrival: dict[str, float]) -> bool:
-        """Whether `tenant_id` is (one of) the most deserving among `tenant_ids` (ties count)."""
-        return self.order(tenant_ids, arrival)[0] == tenant_id
+    def is_first(self, tenant_id: str, tenant_ids: Iterable[str], arrival: dict[str, float],
+                 ahead_units: float = 0.0) -> bool:
+        """Whether `tenant_id` is (one of) the most deserving among `tenant_ids` (ties count), even
+        after `ahead_units` more service units (work promised to it but not charged yet; > 0 makes
+        policies without counters answer False)."""
+        return ahead_units <= 0 and self.order(tenant_ids, arrival)[0] == tenant_id
 
     def describe(self) -> str:
         """One line naming the policy and its parameters (printed by reports)."""
@@ -181,10 +184,13 @@ class VTCPolicy(SchedulingPolicy):
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
         return sorted(tenant_ids, key=lambda t: (self.accounts[t].virtual_counter, t))
 
-    def is_first(self, tenant_id: str, tenant_ids: Iterable[str], arrival: dict[str, float]) -> bool:
-        """Smallest counter, ties included (a tenant lifted to the smallest counter qualifies)."""
-        mine = self.accounts[tenant_id].virtual_counter
-        return all(mine <= self.accounts[t].virtual_counter for t in tenant_ids)
+    def is_first(self, tenant_id: str, tenant_ids: Iterable[str], arrival: dict[str, float],
+                 ahead_units: float = 0.0) -> bool:
+        """Smallest counter even after `ahead_units / w` more, ties included (a tenant lifted to the
+        smallest counter qualifies)."""
+        acct = self.accounts[tenant_id]
+        mine = acct.virtual_counter + max(0.0, ahead_units) / acct.weight
+        return all(mine <= self.accounts[t].virtual_counter for t in tenant_ids if t != tenant_id)
 
     def pick(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> str:
         accounts = self.accounts

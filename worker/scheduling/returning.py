@@ -19,6 +19,13 @@ its counter. This module closes that gap with one rule (docs/fairness.md, "Retur
   the one holding the most running slots per unit weight (ties: tenant id). The freed slot and
   blocks are reserved for the returning tenant for that iteration, so the victim's own queue cannot
   take them back.
+- Order is kept: room is held for a head only while the policy would serve the returning tenant
+  first among the tenants whose heads could take a free slot now, counting the heads already held
+  for it this iteration as charged, less one prefill chunk of slack (VTC: its counter plus those
+  units over its weight stays at or below theirs). When every slot is taken, the other tenants'
+  heads could not be admitted anyway, so heads are held up to the returning tenant's share at the
+  speed of the prefill budget. What it gains that way is at most its share of the batch's prompts,
+  `≤ α·M`, inside VTC's bound `2·max(α·chunk, β·M)`.
 
 Why it cannot ping-pong: the requester ends at most at its share, the victim at least at its own,
 so neither side meets the condition to preempt the other back. A continuously backlogged tenant is
