@@ -305,9 +305,12 @@ def write_report(bench: Benchmark, out: Path, img_dir: Path, command: str = "fai
         "requests keep decoding for a long time (long outputs, memory-bound pools) it grows towards the β·M part of "
         "the bound, because VTC charges output tokens as they are committed, not at admission.",
         "- *Returning tenants* are lifted to the smallest backlogged counter, so they are served ahead of the other "
-        "tenant's backlog but earn nothing for the time they were away. Their first token still waits for a running "
-        "slot or KV room to free up (the engine does not preempt within a tier) and for the iteration in flight; "
-        "compare their TTFT with the mean iteration time printed above rather than with an idle server.",
+        "tenant's backlog but earn nothing for the time they were away. When the other tenant's decodes hold every "
+        "running slot (or the KV room), a returning tenant below its weighted slot share preempts that tenant's "
+        "latest admissions (recompute) up to its share (worker/scheduling/returning.py; not under FCFS). What is "
+        "left of its TTFT is the iteration in flight and its own prefill, in iterations of a full batch: compare it "
+        "with the solo TTFT plus the mean iteration time printed above. A burst is prefilled at the speed of the "
+        "prefill budget a full batch leaves (chunk minus one token per running decode).",
         "- *Throughput* is tokens per busy second over the same, fully drained set of requests: work-conserving "
         "policies differ only in how well their batches pack (and in recompute after preemption).",
         "- DRR's deficits are also debited by output tokens committed after a tenant's turn, so its rounds even out "
