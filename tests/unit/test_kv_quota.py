@@ -5,6 +5,7 @@ Drive the real Scheduler, BlockManager and KVQuota directly (no model), like tes
 
 import pytest
 
+from tests.unit.sched_steps import step
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -37,21 +38,6 @@ def seq(tenant, prompt_len, max_tokens=8, weight=1.0):
     _n[0] += 1
     return Sequence(f"q{_n[0]}", tenant, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
                     weight=weight, max_tokens=max_tokens)
-
-
-def step(sched):
-    """One engine step: compute the scheduled tokens, commit one output at the end of each prefill or
-    decode, finish at max_tokens. Returns the chunks."""
-    chunks = sched.schedule()
-    for c in chunks:
-        s = c.seq
-        s.num_computed_tokens += c.num_tokens
-        if s.num_computed_tokens == s.num_tokens:
-            s.output_token_ids.append(7)
-            sched.policy.charge(s.tenant_id, sched.cost.decode(1), output_tokens=1)
-            if len(s.output_token_ids) >= s.max_tokens:
-                sched.finish(s, FinishReason.LENGTH)
-    return chunks
 
 
 def check_accounting(sched, bm):

@@ -8,6 +8,7 @@ uses it (the engine turns it off), and nobody is pushed below their slot share.
 
 import pytest
 
+from tests.unit.sched_steps import step
 from worker.engine.block_manager import BlockManager
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.scheduler import Scheduler
@@ -24,21 +25,6 @@ def seq(tenant, prompt_len=32, max_tokens=200, weight=1.0, tier="interactive"):
     _n[0] += 1
     return Sequence(f"r{_n[0]}", tenant, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
                     weight=weight, tier=tier, max_tokens=max_tokens)
-
-
-def step(sched):
-    """Run one iteration the way the engine does (commit a token at the end of each sequence's
-    computed tokens, finish at max_tokens). Returns the chunks."""
-    chunks = sched.schedule()
-    for c in chunks:
-        s = c.seq
-        s.num_computed_tokens += c.num_tokens
-        if s.num_computed_tokens == s.num_tokens:
-            s.output_token_ids.append(7)
-            sched.policy.charge(s.tenant_id, sched.cost.decode(1), output_tokens=1)
-            if len(s.output_token_ids) >= s.max_tokens:
-                sched.finish(s, FinishReason.LENGTH)
-    return chunks
 
 
 def saturated(policy="vtc", returning=True, max_running=8, blocks=4000, a_requests=20):
