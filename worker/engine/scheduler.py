@@ -440,8 +440,6 @@ class Scheduler:
         heads = {t: q[0] for t, q in self.waiting.items() if q}
         arrival = {t: h.arrival_time for t, h in heads.items()}
         slack = self.cost.prefill(self.max_num_batched_tokens)  # one chunk: within VTC's bound
-        # the tenants whose heads could take a slot now; with every slot taken, nobody else's can
-        rivals = list(heads) if len(self.running) < self.max_running else []
         for tenant in self.policy.order(list(ret.returning), arrival):
             promised = -slack
             for head in list(self.waiting[tenant]):
@@ -450,7 +448,9 @@ class Scheduler:
                     break
                 # only while the policy would still serve it first among the rivals once the heads
                 # already held for it are charged (beyond one chunk of slack)
-                if not self.policy.is_first(tenant, rivals or [tenant], arrival, ahead_units=promised):
+                # rivals: the tenants whose heads could take a slot now (none while every slot is taken)
+                rivals = list(heads) if len(self.running) < self.max_running else [tenant]
+                if not self.policy.is_first(tenant, rivals, arrival, ahead_units=promised):
                     break
                 if not self._hold_room(tenant, head, running, weights, tiers, batch):
                     break
