@@ -118,6 +118,7 @@ class Scheduler:
         self._no_burst: set[str] = set()           # tenants preempted by reclaim this iteration
         self.returning = ReturningAdmission() if returning_preemption else None
         self._reserved: dict[str, list[int]] = {}  # returning tenant -> [slots, blocks] held for it
+        self._protected: set[str] = set()          # admitted through a memory reservation (see _pick_victim)
 
     # ---- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -149,6 +150,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.finish_time = self.clock()
         self.blocks.free(seq)
+        self._protected.discard(seq.request_id)
         _remove_identical(self.running, seq)
         queue = self.waiting.get(seq.tenant_id)
         if queue is not None:
@@ -169,6 +171,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, requeue at the front of its tenant's queue."""
+        self._protected.discard(seq.request_id)
         self.blocks.free(seq)
         _remove_identical(self.running, seq)
         seq.status = SequenceStatus.WAITING
@@ -322,10 +325,15 @@ class Scheduler:
         need = self.blocks.blocks_needed(seq, seq.num_uncomputed)
         # blocks already promised to running prefills, or held for a returning tenant, are not free
         free = self._uncommitted - held_blocks
-        if self.quota is not None:
+        if self.quota is not None and not self.gate.holds(seq.request_id):
             why = self._quota_refusal(seq, need)
             if why is not None:
                 self.quota_waits[seq.tenant_id] = self.quota_waits.get(seq.tenant_id, 0) + 1
+                if self._committed(seq.tenant_id) == 0:
+                    # the tenant holds nothing, so its quota cannot fall further: the request is
+                    # larger than what the quota rules leave it. Count it as a memory skip, so that
+                    # after max_skips memory is reserved for it (which then lifts the quota check).
+                    self._unfit[seq.tenant_id] = (seq.request_id, need)
                 return False
         if need > self.gate.available_blocks(seq.tenant_id, seq.request_id, free):
             self._unfit[seq.tenant_id] = (seq.request_id, need)
@@ -333,11 +341,13 @@ class Scheduler:
         return True
 
     # ---- KV quotas ------------------------------------------------------------------------------
-    def held_by_tenant(self) -> dict[str, int]:
-        """KV blocks held per tenant with running sequences."""
+    def held_by_tenant(self, reclaimable: bool = False) -> dict[str, int]:
+        """KV blocks held per tenant with running sequences (reclaimable: leave out requests
+        admitted through a memory reservation, which quota preemption does not take)."""
         out: dict[str, int] = {}
         for s in self.running:
-            out[s.tenant_id] = out.get(s.tenant_id, 0) + len(s.block_table)
+            if not (reclaimable and s.request_id in self._protected):
+                out[s.tenant_id] = out.get(s.tenant_id, 0) + len(s.block_table)
         return out
 
     def _outstanding_prefill_blocks(self) -> int:
@@ -359,21 +369,24 @@ class Scheduler:
         return why
 
     def _latest_with_blocks(self, tenant_id: str) -> Sequence | None:
+        """The tenant's latest admission holding blocks, requests admitted through a reservation aside."""
         for s in reversed(self.running):
-            if s.tenant_id == tenant_id and s.block_table:
+            if s.tenant_id == tenant_id and s.block_table and s.request_id not in self._protected:
                 return s
         return None
 
     def _pick_victim(self) -> Sequence:
         """Preemption victim: with quotas, the latest admitted request (holding blocks) of the tenant
-        furthest over its soft quota; otherwise (or when nobody is over quota) the newest admission."""
+        furthest over its soft quota; otherwise (or when nobody is over quota) the newest admission.
+        A request admitted through a memory reservation (it waited its bounded number of skips) is
+        taken last, so that it is not admitted and preempted over and over."""
         if self.quota is not None:
-            tenant = self.quota.pick_victim_tenant(self.held_by_tenant())
+            tenant = self.quota.pick_victim_tenant(self.held_by_tenant(reclaimable=True))
             if tenant is not None:
                 victim = self._latest_with_blocks(tenant)
                 if victim is not None:
                     return victim
-        return self.running[-1]
+        return next((s for s in reversed(self.running) if s.request_id not in self._protected), self.running[-1])
 
     def _reclaim(self) -> None:
         """Preempt over-quota tenants' requests so that waiting heads of tenants within their soft
@@ -390,7 +403,7 @@ class Scheduler:
             room = self.blocks.num_free - quota.headroom_blocks
             if need <= room:
                 continue
-            held = self.held_by_tenant()
+            held = self.held_by_tenant(reclaimable=True)
             held.pop(tenant, None)
             over = {t: b for t, b in held.items() if quota.over_soft(t, b)}
             if sum(over.values()) < need - room:
@@ -475,7 +488,7 @@ class Scheduler:
 
         allowed = None
         if self.quota is not None:
-            over = {t for t, b in self.held_by_tenant().items() if self.quota.over_soft(t, b)}
+            over = {t for t, b in self.held_by_tenant(reclaimable=True).items() if self.quota.over_soft(t, b)}
             allowed = over or None
         # plan the victims first; preempt only if the plan makes the room
         plan: list[Sequence] = []
@@ -485,7 +498,7 @@ class Scheduler:
         while no_slot or not fits(freed):
             victim_tenant = self.returning.victim_tenant(tenant, sim_running, weights, tiers, batch, allowed)
             victim = next((s for s in reversed(self.running) if s.tenant_id == victim_tenant
-                           and all(s is not p for p in plan)), None)
+                           and s.request_id not in self._protected and all(s is not p for p in plan)), None)
             if victim is None:
                 return False
             plan.append(victim)
@@ -513,6 +526,8 @@ class Scheduler:
         seq.admitted_order = self._admit_counter
         self._admit_counter += 1
         self.running.append(seq)
+        if self.gate.holds(seq.request_id):
+            self._protected.add(seq.request_id)
         self.gate.on_admit(seq.tenant_id, seq.request_id)
         held = self._reserved.get(seq.tenant_id)
         if held is not None:

@@ -54,6 +54,10 @@ class EligibilityGate:
             return free_blocks
         return max(0, free_blocks - r.blocks)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether memory is reserved for `request_id` now."""
+        return self.reservation is not None and self.reservation.request_id == request_id
+
     def on_skip(self, tenant_id: str, request_id: str, blocks_needed: int, iteration: int) -> None:
         """The tenant's head `request_id` (needing `blocks_needed` blocks) did not fit in iteration
         `iteration`. Counted once per tenant per iteration; grants the reservation at the limit."""
