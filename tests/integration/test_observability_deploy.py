@@ -18,12 +18,16 @@ DEPLOY = ROOT / "deploy"
 
 
 class _Engine:
+    """A snapshot with every optional part on (KV quotas, preemption reasons), so that every series is exported."""
+
     def snapshot(self):
         t = {"tenant_id": "t", "weight": 1.0, "tier": "interactive", "virtual_counter": 0.0, "charged_service": 0.0,
              "prompt_tokens": 0, "output_tokens": 0, "waiting": 0, "running": 0, "kv_blocks": 0, "finished": 0,
-             "preemptions": 0}
+             "preemptions": 0, "quota_waits": 0, "kv_soft_quota_blocks": 1, "kv_hard_cap_blocks": 1,
+             "kv_over_quota": 0}
         return {"waiting": 0, "running": 0, "kv_blocks_used": 0, "kv_blocks_total": 1, "kv_block_size": 16,
-                "policy": "vtc", "iterations": 0, "inflight_tokens": 0, "tenants": [t]}
+                "policy": "vtc", "iterations": 0, "inflight_tokens": 0, "kv_quota": True, "preemptions": 0,
+                "reclaim_preemptions": 0, "returning_preemptions": 0, "tenants": [t]}
 
 
 def exported_sample_names() -> set[str]:
@@ -38,6 +42,13 @@ def exported_sample_names() -> set[str]:
             else:
                 names.add(fam.name)
     return names
+
+
+def exported_label_values(metric: str, label: str) -> set[str]:
+    """Values of `label` on the samples of `metric` (a family name) in the worker's exposition."""
+    text = WorkerMetrics(_Engine()).render().decode()
+    return {s.labels[label] for fam in text_string_to_metric_families(text) if fam.name == metric
+            for s in fam.samples if label in s.labels}
 
 
 def dashboard_exprs() -> list[str]:
@@ -63,8 +74,28 @@ def test_dashboard_queries_only_exported_metrics():
                    "fairshare_worker_tenant_charged_service_units_total", "fairshare_worker_tenant_virtual_counter",
                    "fairshare_worker_tenant_waiting_requests", "fairshare_worker_tenant_kv_blocks",
                    "fairshare_worker_ttft_seconds_bucket", "fairshare_worker_itl_seconds_bucket",
-                   "fairshare_worker_tenant_preemptions_total", "fairshare_worker_cached_prompt_tokens_total"):
+                   "fairshare_worker_tenant_preemptions_total", "fairshare_worker_cached_prompt_tokens_total",
+                   # KV quotas and preemption reasons
+                   "fairshare_worker_tenant_kv_soft_quota_blocks", "fairshare_worker_tenant_kv_hard_cap_blocks",
+                   "fairshare_worker_tenant_kv_over_quota", "fairshare_worker_tenant_quota_waits_total",
+                   "fairshare_worker_preemptions_total"):
         assert needed in used, needed
+    # preemptions are plotted by reason, and the worker reports each of these reasons
+    assert any("by (reason)" in e and "fairshare_worker_preemptions_total" in e for e in dashboard_exprs())
+    assert exported_label_values("fairshare_worker_preemptions", "reason") == {"out-of-blocks", "reclaim",
+                                                                               "returning"}
+
+
+def test_dashboard_panels_do_not_overlap():
+    dash = json.loads((DEPLOY / "grafana" / "fairshare.json").read_text())
+    cells: dict[tuple[int, int], int] = {}
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        for y in range(g["y"], g["y"] + g["h"]):
+            for x in range(g["x"], g["x"] + g["w"]):
+                assert (x, y) not in cells, f"panel {p['id']} overlaps panel {cells[(x, y)]}"
+                cells[(x, y)] = p["id"]
 
 
 def test_scrape_config_matches_the_compose_services():
