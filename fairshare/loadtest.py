@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,11 +42,10 @@ from pathlib import Path
 
 import yaml
 
+from fairshare.up_process import UpNotReady, UpProcess
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
-BANNER_DONE = "Ctrl-C stops everything."
-KEY_RE = re.compile(r"tenant\s+(\S+)\s+key\s+(sk-\S+)")
-MODEL_RE = re.compile(r"^\s*model:\s+(\S+)", re.M)
 UP_READY_TIMEOUT_S = 900.0
 SAMPLE_INTERVAL_S = 1.0
 
@@ -59,117 +56,6 @@ class LoadtestError(Exception):
 
 def log(msg: str) -> None:
     print(f"fairshare loadtest: {msg}", flush=True)
-
-
-# ------------------------------------------------------------------------------------------------
-# A local platform (`fairshare up` as a subprocess)
-# ------------------------------------------------------------------------------------------------
-
-class LocalPlatform:
-    """`fairshare up` on free ports with `state_dir`; its output goes to `log_path`."""
-
-    def __init__(self, state_dir: Path, policy: str, model: str, max_running: int | None, log_path: Path):
-        from fairshare.procs import free_port
-
-        self.state_dir, self.policy, self.model_arg, self.max_running = state_dir, policy, model, max_running
-        ports: list[int] = []
-        while len(ports) < 3:
-            p = free_port()
-            if p not in ports:
-                ports.append(p)
-        self.port, self.worker_port, self.redis_port = ports
-        self.log_path = log_path
-        self.lines: list[str] = []
-        self.proc: subprocess.Popen | None = None
-        self._reader: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def worker_addr(self) -> str:
-        return f"127.0.0.1:{self.worker_port}"
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    def keys(self) -> dict[str, str]:
-        return dict(KEY_RE.findall(self.output))
-
-    def model(self) -> str:
-        m = MODEL_RE.search(self.output)
-        return m.group(1) if m else ""
-
-    def start(self, timeout_s: float = UP_READY_TIMEOUT_S) -> None:
-        cmd = [sys.executable, "-m", "fairshare.cli", "up", "--host", "127.0.0.1", "--port", str(self.port),
-               "--worker-port", str(self.worker_port), "--redis-port", str(self.redis_port),
-               "--model", self.model_arg, "--policy", self.policy, "--state-dir", str(self.state_dir)]
-        if self.max_running:
-            cmd += ["--max-running", str(self.max_running)]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        deadline = time.monotonic() + timeout_s
-        while BANNER_DONE not in self.output:
-            if self.proc.poll() is not None:
-                self._reader.join(5)
-                raise LoadtestError(f"`fairshare up` exited with {self.proc.returncode} before it was ready:\n"
-                                    + self.output[-3000:])
-            if time.monotonic() > deadline:
-                self.stop()
-                raise LoadtestError(f"`fairshare up` not ready after {timeout_s:.0f} s:\n" + self.output[-3000:])
-            time.sleep(0.2)
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        with open(self.log_path, "ab") as f:
-            buf = b""
-            while True:
-                chunk = self.proc.stdout.read1(65536)
-                if not chunk:
-                    break
-                f.write(chunk)
-                f.flush()
-                buf += chunk
-                *done, buf = buf.replace(b"\r", b"\n").split(b"\n")
-                self.lines.extend(d.decode("utf-8", "replace") for d in done)
-            if buf:
-                self.lines.append(buf.decode("utf-8", "replace"))
-
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """Ctrl-C (SIGINT), as a user stops it; SIGKILL of its process group if it hangs."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self._kill_all()
-        if self._reader:
-            self._reader.join(5)
-        return self.proc.returncode
-
-    def _kill_all(self) -> None:
-        pids = []
-        try:
-            pids = list(json.loads((self.state_dir / "run.json").read_text()).get("children", {}).values())
-        except (OSError, ValueError):
-            pass
-        for pid in [self.proc.pid, *pids]:
-            try:
-                os.killpg(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 # ------------------------------------------------------------------------------------------------
@@ -502,7 +388,7 @@ def _run_local(campaign, args, out: Path) -> list:
             plat = _start_platform(state, policy, args.model, max_running, pdir / "up.log",
                                    forget_keys=tmp is not None and not keys)
             try:
-                keys.update(plat.keys())
+                keys.update(plat.keys)
                 missing = [tid for tid in campaign.tenant_ids() if tid not in keys]
                 if missing:
                     raise LoadtestError(f"no API key for {', '.join(missing)}: the state dir's tenants already had "
@@ -512,7 +398,7 @@ def _run_local(campaign, args, out: Path) -> list:
                          "max_running": max_running, "model_arg": args.model, "limits": limits,
                          "worker_source": f"GetLoad {plat.worker_addr} (sampled every {SAMPLE_INTERVAL_S:g} s)"}
                 run, _ = run_policy(campaign, policy, plat.url, {tid: keys[tid] for tid in campaign.tenant_ids()},
-                                    plat.model() or None, args, pdir, [getload_reader(plat.worker_addr)], setup)
+                                    plat.model or None, args, pdir, [getload_reader(plat.worker_addr)], setup)
                 runs.append(run)
             finally:
                 rc = plat.stop()
@@ -525,20 +411,19 @@ def _run_local(campaign, args, out: Path) -> list:
 
 
 def _start_platform(state: Path, policy: str, model: str, max_running: int, log_path: Path,
-                    forget_keys: bool) -> LocalPlatform:
+                    forget_keys: bool) -> UpProcess:
     """Start `fairshare up`; once more on other ports if it fails (a free port may be taken by another
     process before the platform binds it, on a shared machine). `forget_keys`: the state dir is ours
     and no key was read yet, so key digests a failed start created can be dropped (they are re-created
-    and printed by the next start)."""
+    and printed by the next start). Raises LoadtestError when the second start fails too."""
+    extra = ["--max-running", str(max_running)] if max_running else []
     for attempt in (1, 2):
-        plat = LocalPlatform(state, policy, model, max_running, log_path)
+        plat = UpProcess(state, *extra, model=model, policy=policy, log_path=log_path)
         try:
-            plat.start()
-            return plat
-        except LoadtestError as e:
-            plat.stop()
+            return plat.start(UP_READY_TIMEOUT_S)
+        except UpNotReady as e:
             if attempt == 2:
-                raise
+                raise LoadtestError(str(e)) from None
             lines = [ln for ln in str(e).splitlines() if ln.strip()]
             log(f"{policy}: `fairshare up` failed ({lines[-1] if lines else e}); trying once more on other ports")
             if forget_keys:

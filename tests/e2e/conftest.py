@@ -1,8 +1,8 @@
 """End-to-end fixtures: the whole platform started the way a user starts it (`fairshare up`).
 
 `start_up(...)` runs the `fairshare` console script of this environment (`fairshare up ...`) as a
-subprocess on free ports with its own state directory, collects what it prints, and waits for the
-banner. Keys are parsed from the banner, as a user copies them.
+subprocess on free ports with its own state directory (`fairshare.up_process.UpProcess`: collects
+what it prints, waits for the banner, stops it). Keys are parsed from the banner, as a user copies them.
 
 The module fixture `platform` runs SmolLM2 (the default model) with a tenants file written before
 the start: the two demo tenants exactly as `fairshare up` writes them on a first run, plus
@@ -16,26 +16,18 @@ The worker runs at most 4 sequences at once (`--max-running 4`), so that 16 outs
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import signal
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import yaml
 
-from fairshare.procs import free_port, port_in_use
+from fairshare.procs import port_in_use
+from fairshare.up_process import UpProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-BANNER_DONE = "Ctrl-C stops everything."
-KEY_RE = re.compile(r"tenant\s+(\S+)\s+key\s+(sk-\S+)")
-MODEL_RE = re.compile(r"^\s*model:\s+(\S+)", re.M)
 
 TINY_TPM = 200
 LEASE_INFLIGHT = 1200
@@ -51,132 +43,14 @@ def fairshare_command() -> list[str]:
     return [sys.executable, "-m", "fairshare.cli"]
 
 
-@dataclass
-class Up:
-    """A running `fairshare up`."""
-
-    proc: subprocess.Popen
-    state_dir: Path
-    port: int
-    worker_port: int
-    redis_port: int
-    lines: list[str] = field(default_factory=list)
-    reader: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
-
-    @property
-    def worker_addr(self) -> str:
-        return f"127.0.0.1:{self.worker_port}"
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    @property
-    def keys(self) -> dict[str, str]:
-        return dict(KEY_RE.findall(self.output))
-
-    @property
-    def model(self) -> str:
-        m = MODEL_RE.search(self.output)
-        return m.group(1) if m else ""
-
-    def run_info(self) -> dict:
-        return json.loads((self.state_dir / "run.json").read_text())
-
-    def wait_banner(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if BANNER_DONE in self.output:
-                return
-            if self.proc.poll() is not None:
-                if self.reader:
-                    self.reader.join(5)
-                raise RuntimeError(f"`fairshare up` exited with {self.proc.returncode} before it was ready:\n"
-                                   + self.output[-4000:])
-            time.sleep(0.2)
-        raise TimeoutError(f"`fairshare up` not ready after {timeout_s:.0f} s:\n" + self.output[-4000:])
-
-    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
-        """Send Ctrl-C (SIGINT) and wait; returns the exit code. Kills everything if it hangs."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                kill_everything(self)
-                raise
-        if self.reader:
-            self.reader.join(5)
-        return self.proc.returncode
+def start_up(state_dir: Path, *extra: str, model: str = "smollm2",
+             timeout_s: float = SMOLLM2_START_TIMEOUT_S) -> UpProcess:
+    """`fairshare up` (the console script) on free ports with `state_dir`, once its banner is printed.
+    Raises UpNotReady (it is stopped first) when it exits or is not ready within `timeout_s`."""
+    return UpProcess(state_dir, *extra, model=model, command=fairshare_command()).start(timeout_s)
 
 
-def kill_everything(up: Up) -> None:
-    """Last resort after a failed test: SIGKILL `fairshare up` and every child it recorded."""
-    pids = []
-    try:
-        pids = list(up.run_info().get("children", {}).values())
-    except (OSError, ValueError):
-        pass
-    for pid in [up.proc.pid, *pids]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    try:
-        up.proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def start_up(state_dir: Path, *extra: str, model: str = "smollm2", timeout_s: float = SMOLLM2_START_TIMEOUT_S,
-             wait: bool = True) -> Up:
-    """Start `fairshare up` on free ports with `state_dir`; wait for its banner unless `wait=False`."""
-    port, worker_port, redis_port = free_port(), free_port(), free_port()
-    cmd = [*fairshare_command(), "up", "--host", "127.0.0.1", "--port", str(port),
-           "--worker-port", str(worker_port), "--redis-port", str(redis_port),
-           "--model", model, "--state-dir", str(state_dir), *extra]
-    env = os.environ.copy()
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    up = Up(proc=proc, state_dir=state_dir, port=port, worker_port=worker_port, redis_port=redis_port)
-
-    def read() -> None:
-        assert proc.stdout is not None
-        buf = b""
-        while True:
-            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(1)
-            if not chunk:
-                break
-            buf += chunk
-            *done, buf = buf.replace(b"\r", b"\n").split(b"\n")
-            up.lines.extend(d.decode("utf-8", "replace") for d in done)
-        if buf:
-            up.lines.append(buf.decode("utf-8", "replace"))
-
-    up.reader = threading.Thread(target=read, daemon=True)
-    up.reader.start()
-    if wait:
-        try:
-            up.wait_banner(timeout_s)
-        except BaseException:
-            kill_everything(up)
-            raise
-    return up
-
-
-def assert_all_stopped(up: Up, info: dict) -> None:
+def assert_all_stopped(up: UpProcess, info: dict) -> None:
     """Nothing `fairshare up` started is still running, and its ports are free again."""
     deadline = time.monotonic() + 5
     alive = {}
@@ -234,7 +108,7 @@ def platform(tmp_path_factory):
     finally:
         rc = up.stop()
         if rc != 0:
-            kill_everything(up)
+            up.kill()
         assert rc == 0, f"`fairshare up` exited {rc} on Ctrl-C:\n{up.output[-3000:]}"
         assert_all_stopped(up, info)
 

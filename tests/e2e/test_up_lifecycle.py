@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from fairshare.procs import free_port, port_in_use
-from tests.e2e.conftest import ROOT, assert_all_stopped, fairshare_command, kill_everything, start_up
+from tests.e2e.conftest import ROOT, assert_all_stopped, fairshare_command, start_up
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +46,7 @@ def test_first_run_second_run_sigterm_and_a_dying_child(tmp_path):
                                          messages=[{"role": "user", "content": "hi"}])
         assert resp.usage.completion_tokens >= 1
     except BaseException:
-        kill_everything(up)
+        up.kill()
         raise
     assert up.stop(signal.SIGTERM) == 0, up.output[-2000:]
     assert "Traceback" not in up.output
@@ -61,12 +61,10 @@ def test_first_run_second_run_sigterm_and_a_dying_child(tmp_path):
         c = openai.OpenAI(base_url=up2.base_url, api_key=keys["globex"], max_retries=0)
         assert c.models.list().data
         os.kill(info2["children"]["worker"], signal.SIGKILL)
-        up2.proc.wait(60)
+        up2.wait(60)
     except BaseException:
-        kill_everything(up2)
+        up2.kill()
         raise
-    if up2.reader:
-        up2.reader.join(5)
     assert up2.proc.returncode == 1, up2.output[-2000:]
     assert "worker exited unexpectedly" in up2.output, up2.output[-2000:]
     assert "Traceback" not in up2.output
