@@ -13,7 +13,9 @@ Adapted to iteration-level LLM scheduling:
 - a visit adds `quantum · weight` service units (weighted DRR); a tenant keeps the pointer while
   its deficit is positive, then the pointer moves on;
 - a tenant that is backlogged but cannot be served at the moment (its head does not fit memory or
-  no running slot is free) still takes part in the rounds, banking at most one quantum;
+  no running slot is free) still takes part in the rounds and banks its quanta, as a backlogged DRR
+  flow whose head packet exceeds its deficit does, so it catches up once its head fits (as a VTC
+  counter that did not move while it waited);
 - when a tenant goes idle its positive deficit is dropped (no credit for idling), its debt kept;
 - when no candidate can be served, whole rounds are fast-forwarded at once (same result as
   visiting them one by one).
@@ -34,9 +36,11 @@ class DRRPolicy(SchedulingPolicy):
 
     quantum: service units added to a tenant's deficit per round, per unit of weight (> 0).
     Bound (what tests/unit/test_fairness_properties.py checks): between co-backlogged tenants the
-    weighted service difference stays within `2·max(α·chunk, β·M)/w_min + 2·quantum·w_max/w_min`
-    (VTC's bound for what a pick and the decodes already running can overdraw, plus the quanta a
-    round may hand out unevenly). Raises ValueError for a non-positive quantum.
+    weighted service difference stays within
+    `2·max(α·chunk, β·M)/w_min + 2·(quantum + α·chunk)·w_max/w_min` (VTC's bound for what a pick
+    and the decodes already running can overdraw, plus, per side, a round's quantum and the chunk
+    served to the others in an iteration in which a memory-blocked tenant's banked quanta cannot
+    be spent yet). Raises ValueError for a non-positive quantum.
     """
 
     name = "drr"
@@ -71,11 +75,9 @@ class DRRPolicy(SchedulingPolicy):
         self._ptr = (self._ptr + 1) % len(self._ring)
         self._fresh = True
 
-    def _grant(self, tenant_id: str, rounds: int, blocked: bool) -> None:
-        """Add `rounds` quanta; a blocked tenant (backlogged, not servable now) banks at most one."""
-        q = self.quantum * self.accounts[tenant_id].weight
-        d = self.deficit[tenant_id] + rounds * q
-        self.deficit[tenant_id] = max(self.deficit[tenant_id], min(d, q)) if blocked else d
+    def _grant(self, tenant_id: str, rounds: int) -> None:
+        """Add `rounds` quanta of `quantum · weight` service units to the tenant's deficit."""
+        self.deficit[tenant_id] += rounds * self.quantum * self.accounts[tenant_id].weight
 
     def pick(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> str:
         cands = set(tenant_ids)
@@ -94,7 +96,7 @@ class DRRPolicy(SchedulingPolicy):
                 t = ring[self._ptr]
                 if t in active:
                     if self._fresh:
-                        self._grant(t, 1, blocked=t not in cands)
+                        self._grant(t, 1)
                         self._fresh = False
                     if t in cands and self.deficit[t] > 0:
                         return t
@@ -103,7 +105,7 @@ class DRRPolicy(SchedulingPolicy):
             rounds = min(math.ceil(-self.deficit[t] / (self.quantum * self.accounts[t].weight)) for t in cands)
             if rounds > 1:
                 for t in active:
-                    self._grant(t, rounds - 1, blocked=t not in cands)
+                    self._grant(t, rounds - 1)
 
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
         """Ring order starting at the pointer (does not grant quanta)."""
