@@ -4,10 +4,11 @@
 checks the tenant's requests-per-minute bucket, tokens-per-minute bucket (reserving
 ``prompt + max_tokens`` tokens), in-flight tokens and concurrent requests, and charges all of them or
 none. An admitted request holds a `Lease` (a member of the tenant's lease set with an expiry time,
-default 15 s) that is renewed while the request runs (in the app by `gateway.outage.AdmissionControl`,
-which also handles Redis outages; `LeaseKeeper` is the plain renewer); a gateway that dies leaves
-leases that expire on their own. `Admission.settle` refunds ``reserved - used`` TPM tokens and
-releases the lease; it is idempotent (guarded here and in Redis by the presence of the lease).
+default 15 s) that is renewed while the request runs (`Admission.renew_each`, called every
+``ttl/3`` seconds by `gateway.outage.AdmissionControl`, which also handles Redis outages); a gateway
+that dies leaves leases that expire on their own. `Admission.settle` refunds ``reserved - used`` TPM
+tokens and releases the lease; it is idempotent (guarded here and in Redis by the presence of the
+lease).
 `Admission.reinstate` re-creates the lease of a request still running when Redis lost it.
 
 Keys are ``<prefix>:{<tenant>}:rpm|tpm|leases|lease_tokens``; the ``{tenant}`` hash tag keeps a
@@ -17,7 +18,6 @@ tenant's keys in one Redis Cluster slot.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import uuid
 from dataclasses import dataclass, field
@@ -26,10 +26,8 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig
 
-log = logging.getLogger("fairshare.gateway")
 
 _ADMIT_LUA = (Path(__file__).with_name("admission.lua")).read_text(encoding="utf-8")
 
@@ -304,47 +302,3 @@ class Admission:
         if v[0] is None:
             return None
         return float(v[0]), float(v[1])
-
-
-@dataclass
-class LeaseKeeper:
-    """Renews the leases of running requests every ``ttl/3`` seconds (one pipelined round trip)."""
-
-    admission: Admission
-    interval_s: float | None = None
-    _leases: set[Lease] = field(default_factory=set)
-    _task: asyncio.Task | None = None
-
-    def add(self, lease: Lease) -> None:
-        """Start renewing `lease`."""
-        self._leases.add(lease)
-
-    def discard(self, lease: Lease) -> None:
-        """Stop renewing `lease`."""
-        self._leases.discard(lease)
-
-    def __len__(self) -> int:
-        return len(self._leases)
-
-    async def _run(self) -> None:
-        interval = self.interval_s or max(0.05, self.admission.lease_ttl_s / 3)
-        while True:
-            await asyncio.sleep(interval)
-            live = [le for le in self._leases if not le.settled]
-            self._leases.difference_update([le for le in self._leases if le.settled])
-            if not live:
-                continue
-            try:
-                await self.admission.renew(live)
-            except Exception:
-                log.exception("lease renewal failed")
-
-    def start(self) -> None:
-        """Start the renewal task on the running loop."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-keeper")
-
-    async def stop(self) -> None:
-        """Stop the renewal task."""
-        await cancel_and_wait(self._task)
-        self._task = None
