@@ -196,3 +196,13 @@ def test_flush_frees_every_unreferenced_block():
     assert sorted(c.flush()) == [0, 1, 2, 4]
     assert c.num_blocks == 0 and c.num_evictable == 0 and c.footprints() == {}
     c.check()
+
+
+def test_partly_matched_node_stays_evictable_after_another_lookup():
+    c = RadixCache(BS)
+    c.insert("A", toks(1, 2), [0, 1], "a")
+    c.release([1])                       # the inserter keeps block 0; block 1 is evictable
+    c.acquire("A", toks(1, 9), "a")      # a lookup that uses only block 0 of that node
+    c.release([0])
+    assert c.num_evictable == 1 and c.evict(5) == [1]
+    c.check()

@@ -310,12 +310,19 @@ class RadixCache:
 
     # ---- eviction -----------------------------------------------------------------------------
     def _push(self, node: _Node) -> None:
-        self._seq += 1
-        heapq.heappush(self._heaps.setdefault(node.owner, []), (node.last_access, self._seq, node))
+        """Queue `node` for eviction. Lazy: an entry whose node is no longer an evictable leaf is
+        dropped when it comes up, and one whose node was used since is re-queued at its new time.
+        Every evictable leaf has an entry (pushed when it becomes one), so `num_evictable` blocks
+        can always be evicted, leaf first."""
+        heapq.heappush(self._heaps.setdefault(node.owner, []), (node.last_access, self._next_seq(), node))
 
-    def _evictable_leaf(self, node: _Node, stamp: int) -> bool:
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _evictable_leaf(self, node: _Node) -> bool:
         parent = node.parent
-        return (stamp == node.last_access and bool(node.blocks) and not node.children and parent is not None
+        return (bool(node.blocks) and not node.children and parent is not None
                 and parent.children.get(node.tokens[:self.block_size]) is node and self._refs[node.blocks[-1]] == 0)
 
     def _victim(self) -> _Node | None:
@@ -331,9 +338,12 @@ class RadixCache:
             heap = self._heaps[owner]
             while heap:
                 stamp, _, node = heap[0]
-                if self._evictable_leaf(node, stamp):
+                if not self._evictable_leaf(node):
+                    heapq.heappop(heap)  # pushed again when it becomes an evictable leaf
+                elif stamp != node.last_access:
+                    heapq.heapreplace(heap, (node.last_access, self._next_seq(), node))  # used since
+                else:
                     return node
-                heapq.heappop(heap)
         return None
 
     def evict(self, n_blocks: int) -> list[int]:
