@@ -72,3 +72,18 @@ def test_workloads_are_deterministic_and_share_only_the_public_prompt():
     tenants = list(sys_of)
     assert not sys_of[tenants[0]] & sys_of[tenants[1]]
     assert set(MODES) == {"global", "namespaced", "namespaced+public"} and "shared-system-prompts" in WORKLOADS
+
+
+def test_engine_mode_keeps_the_invariants():
+    """The same trace through the real engine on the simulator (concurrent requests, decode)."""
+    from worker.sim.cache_bench import run_engine
+
+    reqs = SMALL.requests(seed=3)
+    public = [SMALL.public_prompt(seed=3)]
+    res = {m: run_engine(reqs, m, 1024, BS, public) for m in MODES}
+    g, n, p = res["global"], res["namespaced"], res["namespaced+public"]
+    assert g.requests == n.requests == p.requests == len(reqs)
+    assert n.hit_tokens == n.same_tenant_tokens > 0 and n.public_tokens == 0
+    assert g.hit_tokens > n.hit_tokens and p.hit_tokens > n.hit_tokens and p.public_tokens > 0
+    assert p.hit_tokens - p.same_tenant_tokens <= p.public_tokens
+    assert "-" in format_table(res)       # cross-tenant hits are not measured on the engine

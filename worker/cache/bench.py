@@ -1,7 +1,7 @@
 """Prefix-cache hit-rate benchmark: what tenant isolation costs, and what public prefixes win back.
 
     python -m worker.cache.bench [--workload shared-system-prompts] [--capacity 2048,8192,0]
-                                 [--block-size 16] [--seed 0]
+                                 [--block-size 16] [--seed 0] [--engine]
     fairshare bench cache [same options]
 
 A multi-tenant trace (`loadtests/workloads/shared_prefix.py`: an operator-wide public system
@@ -29,7 +29,11 @@ Figures, as shares of all prompt tokens looked up:
   what a timing side channel could reveal. 0 whenever namespaces are on.
 `promoted/global` is the hit rate of namespaced+public divided by the global one.
 
-Pure Python (no torch, no grpc); the workload module is imported only by `main`.
+`--engine` runs the same trace through the real engine on the simulator instead
+(`worker/sim/cache_bench.py`: concurrent requests, decode, the cache sharing the KV pool with
+running requests; the `x-tenant` column is not measured there).
+
+Pure Python (no torch, no grpc); the workload and engine modules are imported only by `main`.
 """
 
 from __future__ import annotations
@@ -187,7 +191,8 @@ def format_table(results: dict[str, ReplayResult]) -> str:
     for mode, r in results.items():
         lines.append(f"  {MODE_LABELS[mode]:<20} {r.hit_rate:>7.1%} {r.same_tenant_rate:>12.1%} "
                      f"{r.rate(r.hit_tokens - r.same_tenant_tokens):>7.1%} {r.rate(r.public_tokens):>7.1%} "
-                     f"{r.rate(r.cross_tenant_tokens):>9.1%} {r.evicted_blocks:>8}")
+                     f"{'-' if r.cross_tenant_tokens < 0 else format(r.rate(r.cross_tenant_tokens), '.1%'):>9} "
+                     f"{r.evicted_blocks:>8}")
     g, n, p = results["global"], results["namespaced"], results["namespaced+public"]
     ratio = p.hit_rate / g.hit_rate if g.hit_rate else float("nan")
     lines.append(f"  same-tenant hit tokens: global {g.same_tenant_tokens}, namespaced {n.same_tenant_tokens}, "
@@ -208,14 +213,31 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma list of KV pool sizes in blocks (0 = unbounded); default 2048,8192,0")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", action="store_true",
+                   help="run the real engine on the simulator (virtual clock, concurrent requests, decode) "
+                        "instead of replaying through the cache alone; 0 capacity is not allowed")
     args = p.parse_args(argv)
     w = WORKLOADS[args.workload]
     reqs = w.requests(args.seed)
     trace = [(r.tenant_id, r.token_ids) for r in reqs]
     print(f"workload {w.name}: {w.base.description}; seed {args.seed}, block size {args.block_size}")
+    caps = [int(c) for c in args.capacity.split(",") if c.strip()]
+    public = [w.public_prompt(args.seed)]
+    if args.engine:
+        from worker.sim.cache_bench import DEFAULT_PROFILE, run_engine
+
+        caps = [c for c in caps if c > 0]
+        if not caps:
+            p.error("--engine needs a finite --capacity")
+        print(f"real engine on the simulated runner (time model {DEFAULT_PROFILE.name}, policy vtc, virtual clock); "
+              "figures over finished requests")
+        for cap in caps:
+            res = {m: run_engine(reqs, m, cap, args.block_size, public) for m in MODES}
+            print(format_table(res), flush=True)
+        return 0
     print("replayed through worker.cache.radix.RadixCache (one request at a time, prompts only)")
-    for cap in [int(c) for c in args.capacity.split(",") if c.strip()]:
-        print(format_table(run_all(trace, cap, args.block_size, [w.public_prompt(args.seed)])), flush=True)
+    for cap in caps:
+        print(format_table(run_all(trace, cap, args.block_size, public)), flush=True)
     return 0
 
 
