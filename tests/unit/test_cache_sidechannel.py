@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -47,3 +49,9 @@ def test_best_threshold_and_report():
     assert res.auc == pytest.approx(brute_auc(res.shared, res.control)) and res.worker_auc == 1.0
     text = format_report([res], "setup")
     assert text.splitlines()[0] == "setup" and "arm" in text and f"{res.auc:.3f}" in text
+
+
+def test_bench_and_sidechannel_modules_import_neither_torch_nor_grpc():
+    code = ("import sys, worker.cache.sidechannel, worker.cache.bench; "
+            "bad=[m for m in ('torch','grpc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
