@@ -206,3 +206,18 @@ def test_partly_matched_node_stays_evictable_after_another_lookup():
     c.release([0])
     assert c.num_evictable == 1 and c.evict(5) == [1]
     c.check()
+
+
+def test_sequence_growing_into_a_public_prefix_is_cached_only_once_decided():
+    pub = toks(5, 6)
+    c = RadixCache(BS, public_prefixes=[pub, pub + toks(7, 8)])
+    assert c.insert("A", toks(5), [0], "a") == []              # could still become public: not cached
+    assert c.insert("A", toks(5, 6), [0, 1], "a") == []        # still a beginning of the longer one
+    assert c.insert("A", toks(5, 6, 7, 8, 9), [0, 1, 2, 3, 4], "a") == [0, 1, 2, 3, 4]
+    assert c.num_public_blocks == 4 and c.footprint("a") == 1
+    # a sequence that leaves the longer public prefix is public up to the shorter one only
+    assert c.acquire("B", toks(5, 6, 7, 1), "b") == ([0, 1], 8)
+    c.release([0, 1])
+    assert c.acquire("B", toks(5, 6, 1, 1), "b") == ([0, 1], 8)
+    assert c.insert("B", toks(5, 6, 1, 1), [0, 1, 9, 10], "b") == [9, 10]
+    c.check()

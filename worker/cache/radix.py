@@ -12,7 +12,9 @@ of Structured Language Model Programs", NeurIPS 2024, §3). This one is written 
   salts) never share blocks, except the **public prefixes**: operator-listed token sequences (e.g. a
   shared system prompt). When a prompt starts with one (exact tokens, the longest listed one wins),
   its whole blocks live in the public tree, shared by every tenant, and the rest of the prompt in
-  the tenant's tree rooted at `(namespace, index of that public prefix)`.
+  the tenant's tree rooted at `(namespace, index of that public prefix)`. While a sequence is
+  still a strict beginning of a public prefix, none of its blocks are inserted (it may yet turn
+  public); a prompt that stops inside one is never cached.
 - **References.** Every cached block has a reference count: how many live requests use it (a
   request takes references with `acquire`, and an inserted block starts with one, held by the
   request that computed it). `release` drops them. A block with no reference is *evictable*; the
@@ -248,6 +250,8 @@ class RadixCache:
         n_full = min(len(tokens) // bs, len(blocks))
         tokens = tokens[:n_full * bs]
         adopted: list[int] = []
+        if self._undecided(tokens):
+            return adopted
         self._tick += 1
         for root_key, owner, lo, hi in self._segments(namespace, tokens, tenant):
             node = self._roots.get(root_key)
@@ -286,6 +290,13 @@ class RadixCache:
                 node = child
         self._done_inserting(adopted)
         return adopted
+
+    def _undecided(self, tokens: tuple) -> bool:
+        """Whether `tokens` (whole blocks) are a strict beginning of a longer public prefix: the
+        sequence may still grow into it, and then its blocks belong in the public tree, not in the
+        private one, so nothing is cached yet (a block's tree must not change as its sequence grows)."""
+        n = len(tokens)
+        return any(len(p) > n and p[:n] == tokens for _, p in self._public)
 
     def _done_inserting(self, adopted: list[int]) -> None:
         if adopted:
