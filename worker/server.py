@@ -266,6 +266,9 @@ async def serve(engine: Engine, model_name: str, host: str, port: int, drain_tim
     if ready_message:
         print(f"fairshare worker ready on {host}:{bound} (model {model_name}, policy {engine.policy.name}, "
               f"{engine.block_manager.num_blocks} KV blocks of {engine.block_manager.block_size} tokens)", flush=True)
+        cache = ("off" if engine.cache is None else "on, one global namespace (UNSAFE)"
+                 if not engine.config.cache_isolation else "on, namespaced per tenant")
+        print(f"cost function: {engine.cost.describe()}; prefix cache {cache}", flush=True)
 
     stop = asyncio.Event()
     hurry = asyncio.Event()  # a second signal: stop draining now
