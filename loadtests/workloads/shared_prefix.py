@@ -23,7 +23,7 @@ wrapper that adds the prompt content.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loadtests.workloads import RequestSpec, TenantLoad, Workload
 
@@ -68,6 +68,16 @@ class SharedPrefixWorkload:
         """Tenant `tenant_id`'s `index`-th system prompt (token ids)."""
         rng = random.Random(f"{seed}:system:{tenant_id}:{index}")
         return tuple(rng.randint(*TOKEN_RANGE) for _ in range(self.system_tokens))
+
+    def stretched(self, factor: float) -> "SharedPrefixWorkload":
+        """The same workload played `factor` times slower: every rate divided by `factor`, the
+        duration multiplied by it (about the same requests, spread over more time). Raises
+        ValueError unless factor > 0."""
+        if not factor > 0:
+            raise ValueError("factor must be > 0")
+        base = self.base
+        tenants = tuple(replace(t, rate=t.rate / factor) for t in base.tenants)
+        return replace(self, base=replace(base, tenants=tenants, duration_s=base.duration_s * factor))
 
     def requests(self, seed: int = 0, rate_scale: float = 1.0) -> list[PromptedRequest]:
         """Every request with its prompt, in arrival order. Deterministic per seed."""

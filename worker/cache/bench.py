@@ -1,7 +1,7 @@
 """Prefix-cache hit-rate benchmark: what tenant isolation costs, and what public prefixes win back.
 
     python -m worker.cache.bench [--workload shared-system-prompts] [--capacity 2048,8192,0]
-                                 [--block-size 16] [--seed 0] [--engine]
+                                 [--block-size 16] [--seed 0] [--engine [--stretch 25]]
     fairshare bench cache [same options]
 
 A multi-tenant trace (`loadtests/workloads/shared_prefix.py`: an operator-wide public system
@@ -216,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", action="store_true",
                    help="run the real engine on the simulator (virtual clock, concurrent requests, decode) "
                         "instead of replaying through the cache alone; 0 capacity is not allowed")
+    p.add_argument("--stretch", type=float, default=25.0,
+                   help="with --engine: play the workload this many times slower (rates / K, duration x K) so "
+                        "that the simulated server is not overloaded (default 25)")
     args = p.parse_args(argv)
     w = WORKLOADS[args.workload]
     reqs = w.requests(args.seed)
@@ -229,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         caps = [c for c in caps if c > 0]
         if not caps:
             p.error("--engine needs a finite --capacity")
+        slow = w.stretched(args.stretch)
+        reqs = slow.requests(args.seed)
         print(f"real engine on the simulated runner (time model {DEFAULT_PROFILE.name}, policy vtc, virtual clock); "
+              f"arrivals stretched x{args.stretch:g} ({len(reqs)} requests over {slow.base.duration_s:g} s); "
               "figures over finished requests")
         for cap in caps:
             res = {m: run_engine(reqs, m, cap, args.block_size, public) for m in MODES}
