@@ -2,6 +2,8 @@
 
     fairshare bench engine  [--model smollm2] [--batches 1,8,32] [--new-tokens 64] [--prompt-len 16]
     fairshare bench gateway [...]   (see gateway/bench.py)
+    fairshare bench cache [...]     (prefix-cache hit rates by isolation mode; worker/cache/bench.py)
+    fairshare bench sidechannel [...]  (CI2 TTFT timing side channel; loadtests/sidechannel.py)
 
 `engine`: decode throughput of the reference engine (continuous batching, paged KV) at each batch
 size, and in the same run transformers' `generate` at static batch 8 on the same weights; prints
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare bench`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway} [options]")
+        print("usage: fairshare bench {engine|gateway|cache|sidechannel} [options]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -96,5 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         from gateway.bench import main as gateway_bench
 
         return int(gateway_bench(rest) or 0)
+    if what == "cache":
+        from worker.cache.bench import main as cache_bench
+
+        return cache_bench(rest)
+    if what == "sidechannel":
+        from loadtests.sidechannel import main as sidechannel_bench
+
+        return sidechannel_bench(rest)
     print(f"fairshare bench: unknown benchmark {what!r}", file=sys.stderr)
     return 2

@@ -350,7 +350,9 @@ def write_report(out_dir: Path, runs: list[Run], campaign, focus: str | None = N
 
     L.append("- tenants: " + "; ".join(tenant_line(t) for t in first.tenants))
     L.append(f"- service unit (worker's cost function): c = α·P + β·O with α = {ALPHA:g}, β = {BETA:g} "
-             "(the worker's defaults; P prompt tokens computed, O output tokens)")
+             "(the worker's defaults; P prompt tokens computed, O output tokens; prompt tokens served from the "
+             "prefix cache at the worker's --cached-rate·α, default 0, while the client-side estimates below count "
+             "every prompt token at α)")
     L.append("- users replay each tenant's requests open-loop (arrival times from the workload); a request sent "
              "more than 1 s after its arrival time counts as late; TTFT = request sent → first content chunk, "
              "ITL = gap between content chunks, both on the client")

@@ -9,6 +9,8 @@
                      [--kv-quota | --no-kv-quota] [--kv-watermark 0.8] [--kv-headroom 0.05]
                      [--kv-shared-buffer 0] [--kv-hard-cap 1.0]
                      [--kv-soft-quota KEY=FRAC ...] [--kv-hard-cap-for KEY=FRAC ...]
+                     [--no-prefix-cache] [--public-prefix-file PATH] [--ttft-floor TIER=SECONDS ...]
+                     [--cached-rate 0] [--unsafe-global-cache]
 
 `--kv-quota` turns on per-tenant KV quotas (default off; docs/memory-isolation.md): fractions are of
 the KV pool; KEY is a tenant id or a tier (interactive, batch, background), a tenant id winning over
@@ -16,6 +18,9 @@ its tier. The tuning flags need `--kv-quota`.
 `--metrics-port N` serves Prometheus metrics on http://HOST:N/metrics (0, the default: off).
 `--otel-exporter` (env FAIRSHARE_OTEL_EXPORTER) sends traces to stdout or over OTLP
 (OTEL_EXPORTER_OTLP_ENDPOINT); default none. See docs/observability.md.
+
+Prefix cache flags: worker/cache/options.py and docs/cache-isolation.md (cache namespaces are keyed
+with $FAIRSHARE_CACHE_SECRET, else a random per-process secret).
 
 `--engine sglang` runs SGLang in process instead (GPU nodes; see worker/sglang_server.py for its flags).
 """
@@ -28,6 +33,7 @@ import logging
 import sys
 
 from fairshare.procs import port_in_use
+from worker.cache.options import add_cache_arguments, cache_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where traces go: none, console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT); "
                         "default $FAIRSHARE_OTEL_EXPORTER or none")
     add_kv_quota_arguments(p)
+    add_cache_arguments(p)
     return p
 
 
@@ -176,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(policy=args.policy, alpha=args.alpha, beta=args.beta,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
-                          max_model_len=args.max_model_len, device=args.device, **kv_quota)
+                          max_model_len=args.max_model_len, device=args.device, **kv_quota,
+                          **cache_settings(parser, args, model.tokenizer))
     engine = Engine(model, config)
     from fairshare.telemetry import make_tracer_provider
 

@@ -76,6 +76,10 @@ _TENANT_FIELDS = (
     ("fairshare_worker_tenant_kv_blocks", "KV-cache blocks held by the tenant's requests", "gauge", "kv_blocks"),
     ("fairshare_worker_tenant_quota_waits", "Iterations the tenant's head request waited on its KV quota "
      "(0 without KV quotas)", "counter", "quota_waits"),
+    ("fairshare_worker_tenant_prefix_cache_blocks", "KV blocks the radix prefix cache holds in the tenant's "
+     "namespaces (its cache footprint, evictable blocks included)", "gauge", "cache_blocks"),
+    ("fairshare_worker_tenant_prefix_cache_hit_tokens", "Prompt tokens served from the tenant's prefix cache "
+     "(counted at admission)", "counter", "cached_prompt_tokens"),
 )
 # KV quotas (only while the worker runs with --kv-quota); not additive: named tenants only
 _TENANT_QUOTA_LEVELS = (
@@ -134,6 +138,14 @@ class EngineCollector:
         if returning is not None:
             preempt.add_metric(["returning"], returning)
         yield preempt
+        yield g("fairshare_worker_prefix_cache_blocks", "KV blocks held by the radix prefix cache (evictable "
+                "ones included)", value=snap.get("cache_blocks", 0))
+        yield g("fairshare_worker_prefix_cache_public_blocks", "Of those, blocks of operator-listed public "
+                "prefixes", value=snap.get("cache_public_blocks", 0))
+        yield CounterMetricFamily("fairshare_worker_prefix_cache_hit_tokens", "Prompt tokens served from the "
+                                  "prefix cache", value=snap.get("cache_hit_tokens", 0))
+        yield CounterMetricFamily("fairshare_worker_prefix_cache_lookup_tokens", "Prompt tokens looked up in the "
+                                  "prefix cache", value=snap.get("cache_lookup_tokens", 0))
 
         sums: dict[str, dict[str, float]] = {}
         levels: dict[str, dict[str, float]] = {}

@@ -9,6 +9,11 @@ deadline (``--drain-timeout``), then the rest are aborted (their streams end wit
 ABORT, which the gateway turns into an OpenAI error) and the process exits; a second SIGTERM/SIGINT
 cuts the drain short.
 
+Prefix-cache namespaces are derived here, on the worker, from the tenant id the gateway
+authenticated and the client's optional ``cache_salt`` (keyed hash under ``FAIRSHARE_CACHE_SECRET``
+or a per-process random secret; worker/cache/namespace.py, docs/cache-isolation.md); the gateway's
+``Tenant.cache_namespace`` is not used for the reference engine's cache.
+
 Fault injection, for tests only: with ``FAIRSHARE_WORKER_TEST_FAULTS=1`` in the worker's environment
 (never set it in a deployment), a request whose ``cache_salt`` is ``fault:reject`` is refused with
 INVALID_ARGUMENT (as the engine refuses an invalid request, after the gateway admitted it), and one
@@ -143,7 +148,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.add_request(
                 request_id, tenant.id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
                 on_output, weight=tenant.weight or 1.0, tier=tier,
-                cache_namespace=tenant.cache_namespace + ("/" + request.cache_salt if request.cache_salt else ""),
+                cache_salt=request.cache_salt,  # the engine derives the namespace (worker/cache/namespace.py)
             )
         except ValueError as exc:
             rt.end("rejected")
@@ -212,7 +217,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 kv_soft_quota_blocks=t.get("kv_soft_quota_blocks", 0), kv_hard_cap_blocks=t.get("kv_hard_cap_blocks", 0),
                 kv_over_quota=t.get("kv_over_quota", False),
             )
+        _fill_cache_load(load, snap)
         return load
+
+
+def _fill_cache_load(load: worker_pb2.Load, snap: dict) -> None:
+    """The radix prefix cache's fields of GetLoad (pool-wide and per tenant), from the snapshot."""
+    load.cache_blocks = snap.get("cache_blocks", 0)
+    load.cache_public_blocks = snap.get("cache_public_blocks", 0)
+    load.cache_hit_tokens = snap.get("cache_hit_tokens", 0)
+    load.cache_lookup_tokens = snap.get("cache_lookup_tokens", 0)
+    by_id = {t["tenant_id"]: t for t in snap["tenants"]}
+    for tl in load.tenants:
+        t = by_id.get(tl.tenant_id, {})
+        tl.cache_blocks = t.get("cache_blocks", 0)
+        tl.cached_prompt_tokens = t.get("cached_prompt_tokens", 0)
 
 
 async def serve(engine: Engine, model_name: str, host: str, port: int, drain_timeout_s: float = 30.0,
@@ -247,6 +266,9 @@ async def serve(engine: Engine, model_name: str, host: str, port: int, drain_tim
     if ready_message:
         print(f"fairshare worker ready on {host}:{bound} (model {model_name}, policy {engine.policy.name}, "
               f"{engine.block_manager.num_blocks} KV blocks of {engine.block_manager.block_size} tokens)", flush=True)
+        cache = ("off" if engine.cache is None else "on, one global namespace (UNSAFE)"
+                 if not engine.config.cache_isolation else "on, namespaced per tenant")
+        print(f"cost function: {engine.cost.describe()}; prefix cache {cache}", flush=True)
 
     stop = asyncio.Event()
     hurry = asyncio.Event()  # a second signal: stop draining now

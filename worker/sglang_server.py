@@ -10,10 +10,11 @@ Fair scheduling happens inside SGLang's scheduler processes, through FairShare's
 (`worker.sglang_plugin`, entry point `sglang.srt.plugins`): this module only puts each request's
 tenant where the plugin reads it, signed (see `worker.sglang_plugin.tenant`):
 
-- `sampling_params.custom_params["fairshare_tenant"]`: HMAC-signed tenant id, weight, tier and
-  namespace key (the secret is created here and reaches SGLang's spawned schedulers through the
-  environment);
-- `extra_key = "fs|" + namespace_key(tenant.cache_namespace)`: the radix-cache namespace;
+- `sampling_params.custom_params["fairshare_tenant"]`: HMAC-signed tenant id, weight and tier
+  (the secret is created here and reaches SGLang's spawned schedulers through the environment);
+- `extra_key = "fs|" + derive_namespace(...)`: the radix-cache namespace the worker derives from
+  the tenant id and the client's salt (`worker.sglang_plugin.tenant.extra_key_for`; the gateway's
+  `Tenant.cache_namespace` is not used); the plugin enforces it in the scheduler;
 - `cache_salt`: the client's salt (splits the tenant's own namespace only).
 
 SGLang's rid is a fixed-length digest of FairShare's request id: SGLang aborts by rid *prefix*
@@ -110,7 +111,7 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
         "ignore_eos": bool(s.ignore_eos),
         "skip_special_tokens": True,
         "custom_params": {tenant_mod.CUSTOM_PARAM_KEY: tenant_mod.sign(
-            tenant.id, weight, _TIER_NAMES.get(tenant.tier, "interactive"), tenant.cache_namespace, secret)},
+            tenant.id, weight, _TIER_NAMES.get(tenant.tier, "interactive"), secret)},
     }
     if s.stop:
         sampling["stop"] = list(s.stop)
@@ -124,7 +125,7 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
         "sampling_params": sampling,
         "rid": sglang_rid(request_id),
         "stream": True,
-        "extra_key": tenant_mod.NAMESPACE_PREFIX + tenant_mod.namespace_key(tenant.cache_namespace),
+        "extra_key": tenant_mod.extra_key_for(tenant.id, request.cache_salt, secret),
         "cache_salt": request.cache_salt or None,
     }
 

@@ -9,6 +9,6 @@ state on stand-in requests) runs as usual.
 
 import importlib.util
 
-NEEDS_SGLANG = ["test_sglang_*.py"]
+NEEDS_SGLANG = ["test_sglang_*.py", "test_case_ci3_*.py"]
 
 collect_ignore_glob = [] if importlib.util.find_spec("sglang") is not None else list(NEEDS_SGLANG)

@@ -21,14 +21,15 @@ SECRET = "test-secret"
 class FakeReq:
     """The fields of SGLang 0.5.23's Req that the plugin reads."""
 
-    def __init__(self, rid, tenant, prompt_len, weight=1.0, namespace=None, output=0, lora_id=None, max_new=16):
-        token = tn.sign(tenant, weight, "interactive", namespace or f"ns-{tenant}", SECRET) if tenant else None
+    def __init__(self, rid, tenant, prompt_len, weight=1.0, salt=None, output=0, lora_id=None, max_new=16):
+        token = tn.sign(tenant, weight, "interactive", SECRET) if tenant else None
         self.rid = rid
         self.origin_input_ids = list(range(prompt_len))
         self.output_ids = list(range(output))
         self.sampling_params = SimpleNamespace(custom_params={tn.CUSTOM_PARAM_KEY: token} if token else None,
                                                max_new_tokens=max_new)
-        self.extra_key = tn.NAMESPACE_PREFIX + tn.namespace_key(namespace or f"ns-{tenant}") if tenant else None
+        self.extra_key = tn.extra_key_for(tenant, salt, SECRET) if tenant else None
+        self.cache_salt = salt
         self.lora_id = lora_id
         self.prefix_len = 0
         self.extend_end = None
@@ -204,21 +205,25 @@ def test_namespace_enforced_and_unverified_requests_isolated():
     s = make_state()
     ok = FakeReq("ok", "A", 10)
     forged = FakeReq("forged", "A", 10)
-    forged.extra_key = tn.NAMESPACE_PREFIX + tn.namespace_key("ns-B")   # claims B's namespace
+    forged.extra_key = tn.extra_key_for("B", None, SECRET)   # claims B's namespace
+    salted = FakeReq("salted", "A", 10, salt="s1")
+    salted.extra_key = tn.extra_key_for("A", None, SECRET)   # a salted request claiming the unsalted namespace
     s.on_arrival(ok)
     s.on_arrival(forged)
-    assert ok.extra_key == forged.extra_key == tn.NAMESPACE_PREFIX + tn.namespace_key("ns-A")
+    s.on_arrival(salted)
+    assert ok.extra_key == forged.extra_key == tn.extra_key_for("A", None, SECRET)
+    assert salted.extra_key == tn.extra_key_for("A", "s1", SECRET) != ok.extra_key
     lora = FakeReq("lora", "A", 10, lora_id="adapter1")
     lora.extra_key += "adapter1"   # SGLang appends the LoRA id to the extra key
     s.on_arrival(lora)
     assert lora.extra_key.endswith("adapter1")
     anon = FakeReq("anon", None, 10)
-    anon.extra_key = tn.NAMESPACE_PREFIX + tn.namespace_key("ns-A")     # a client guessing A's key
-    anon.sampling_params.custom_params = {tn.CUSTOM_PARAM_KEY: "v1.e30.deadbeef"}
+    anon.extra_key = tn.extra_key_for("A", None, SECRET)     # a client that learnt A's key
+    anon.sampling_params.custom_params = {tn.CUSTOM_PARAM_KEY: "v2.e30.deadbeef"}
     s.on_arrival(anon)
     assert anon.fairshare_tag.tenant_id == tn.UNVERIFIED_TENANT
     assert anon.extra_key.startswith(tn.UNVERIFIED_PREFIX)
-    assert "A" in s.policy.accounts and s.live["A"] == 3 and s.live[tn.UNVERIFIED_TENANT] == 1
+    assert "A" in s.policy.accounts and s.live["A"] == 4 and s.live[tn.UNVERIFIED_TENANT] == 1
 
 
 def test_deterministic_across_replicas():
@@ -242,16 +247,16 @@ def test_deterministic_across_replicas():
 
 
 def test_tenant_token_roundtrip_and_tamper():
-    token = tn.sign("acme", 2.5, "batch", "ns1", "k")
+    token = tn.sign("acme", 2.5, "batch", "k")
     tag = tn.verify(token, "k")
-    assert tag == tn.TenantTag("acme", 2.5, "batch", tn.namespace_key("ns1"), verified=True)
+    assert tag == tn.TenantTag("acme", 2.5, "batch", verified=True)
     assert tn.verify(token, "other-secret") is None
     head, payload, mac = token.split(".")
-    forged = tn.sign("evil", 100.0, "interactive", "ns1", "attacker")
+    forged = tn.sign("evil", 100.0, "interactive", "attacker")
     assert tn.verify(f"{head}.{forged.split('.')[1]}.{mac}", "k") is None
     assert tn.verify(None, "k") is None and tn.verify(token, None) is None
     with pytest.raises(ValueError):
-        tn.sign("acme", 0.0, "batch", "ns1", "k")
+        tn.sign("acme", 0.0, "batch", "k")
 
 
 def test_state_from_env():

@@ -88,7 +88,7 @@ async def test_generate_streams_tokens_and_usage(incremental, per_step):
         assert (final.usage.prompt_tokens, final.usage.completion_tokens, final.usage.cached_prompt_tokens) == (5, 4, 2)
         assert msgs[0].timings.queued_s == pytest.approx(0.005) and final.timings.first_token_s > 0
         sent = engine.tokenizer_manager.requests[0]
-        assert sent["extra_key"] == "fs|" + tn.namespace_key("ns") and sent["rid"] == ss.sglang_rid("r1")
+        assert sent["extra_key"] == tn.extra_key_for("acme", "", "sec") and sent["rid"] == ss.sglang_rid("r1")
         assert tn.verify(sent["sampling_params"]["custom_params"][tn.CUSTOM_PARAM_KEY], "sec").tenant_id == "acme"
         load = await stub.GetLoad(worker_pb2.GetLoadRequest())
         assert load.policy == "vtc" and load.tenants[0].tenant_id == "acme" and load.tenants[0].output_tokens == 4

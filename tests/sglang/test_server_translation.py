@@ -40,17 +40,21 @@ def test_request_translation_carries_signed_tenant_and_namespace():
                               FACTS, "sec")
     assert kw["input_ids"] == [1, 2, 3] and kw["stream"] is True
     assert kw["rid"] == ss.sglang_rid("req-1") and len(kw["rid"]) == 35
-    assert kw["extra_key"] == "fs|" + tn.namespace_key("ns-acme")
+    # the worker-derived namespace of (tenant, client salt); the gateway's cache_namespace plays no part
+    assert kw["extra_key"] == tn.extra_key_for("acme", "client-salt", "sec")
+    assert kw["extra_key"] == ss.request_to_sglang(make_request(salt="client-salt", ns="other"), FACTS, "sec")["extra_key"]
+    assert kw["extra_key"] not in {tn.extra_key_for("acme", "", "sec"), tn.extra_key_for("evil", "client-salt", "sec"),
+                                   tn.extra_key_for("acme", "client-salt", "other-secret")}
     assert kw["cache_salt"] == "client-salt"
     sp = kw["sampling_params"]
     assert sp["max_new_tokens"] == 8 and sp["temperature"] == 0.0 and sp["top_k"] == 5 and sp["top_p"] == 1.0
     assert sp["stop"] == ["\n\n"] and sp["stop_token_ids"] == [9] and sp["sampling_seed"] == 7
     tag = tn.verify(sp["custom_params"][tn.CUSTOM_PARAM_KEY], "sec")
-    assert tag == tn.TenantTag("acme", 2.0, "batch", tn.namespace_key("ns-acme"), verified=True)
+    assert tag == tn.TenantTag("acme", 2.0, "batch", verified=True)
     # What the plugin does with it in SGLang's scheduler: attributes it, keeps the namespace
     req = type("Req", (), {})()
     req.rid, req.origin_input_ids, req.output_ids, req.lora_id = kw["rid"], kw["input_ids"], [], None
-    req.extra_key = kw["extra_key"]
+    req.extra_key, req.cache_salt = kw["extra_key"], kw["cache_salt"]
     req.sampling_params = type("SP", (), {"custom_params": sp["custom_params"], "max_new_tokens": 8})()
     st = FairShareState("vtc", secret="sec")
     st.on_arrival(req)

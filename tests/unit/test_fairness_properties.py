@@ -44,7 +44,8 @@ def simulate(policy: str, tenants: list[tuple[float, list[tuple[float, int, int]
     for _ in range(iterations):
         while k < len(reqs) and reqs[k][0] <= clock():
             arr, tenant, i, w, p, o = reqs[k]
-            engine.add_request(f"{tenant}-{k}", tenant, [1] * p, SamplingParams(max_tokens=o, ignore_eos=True),
+            # a distinct first token per request: no two requests share a cached prefix
+            engine.add_request(f"{tenant}-{k}", tenant, [1000 + k] + [1] * (p - 1), SamplingParams(max_tokens=o, ignore_eos=True),
                                lambda out: None, weight=w, arrival_time=arr)
             k += 1
         if not engine.step():

@@ -1,12 +1,17 @@
 """Hypothesis state machine over random arrivals, aborts and engine steps with KV quotas on (and
-off): blocks in use always equal the blocks held by requests (the reference engine has no shared
-prefix cache, so the cache holds none), never negative, no block in two tables, no leak once every
-request has ended; a tenant within its soft quota is never preempted while an over-quota tenant
-holds blocks. Both quota modes must drain without a stall."""
+off) and the radix prefix cache on (and off): blocks in use always equal the blocks held by
+requests plus those only the cache holds, never negative; a block in two tables is a cached one
+whose reference count is the number of tables holding it, a private block is in one table; no leak
+once every request has ended and the cache is flushed; a tenant within its soft quota is never
+preempted while an over-quota tenant holds blocks. Every mode must drain without a stall.
+
+Prompts are drawn from a few shared prefixes (per tenant namespaces, one salt shared by two
+tenants' namespaces never), so cache hits, splits and evictions happen."""
 
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from worker.cache.radix import RadixCache
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -16,13 +21,17 @@ from worker.scheduling.quota import KVQuota, KVQuotaConfig
 
 BLOCKS = 40
 TENANTS = ("a", "b", "c")
+# shared prompt beginnings (tokens), so that requests hit, split and evict cached prefixes
+PREFIXES = [[(7 * j) % 97 + 1 for j in range(300)], [(7 * j) % 97 + 1 for j in range(40)] + [5] * 260, [3] * 300]
 
 
 class KVMachine(RuleBasedStateMachine):
     @initialize(quota=st.booleans(), budget=st.sampled_from([32, 128, 512]),
-                soft=st.sampled_from([{}, {"a": 0.05, "b": 0.05, "c": 0.05}, {"a": 0.6}]))
-    def setup(self, quota, budget, soft):
-        self.bm = BlockManager(BLOCKS, 16)
+                soft=st.sampled_from([{}, {"a": 0.05, "b": 0.05, "c": 0.05}, {"a": 0.6}]),
+                cache=st.booleans(), public=st.booleans())
+    def setup(self, quota, budget, soft, cache, public):
+        radix = RadixCache(16, public_prefixes=[PREFIXES[0][:40]] if public else []) if cache else None
+        self.bm = BlockManager(BLOCKS, 16, cache=radix)
         self.q = KVQuota(KVQuotaConfig(enabled=quota, soft=soft), BLOCKS)
         self.sched = Scheduler(make_policy("vtc"), LinearCost(), self.bm, budget, 8, quota=self.q)
         self.n = 0
@@ -42,11 +51,12 @@ class KVMachine(RuleBasedStateMachine):
         self.sched._preempt = record
 
     @rule(tenant=st.sampled_from(TENANTS), prompt=st.integers(1, 500), out=st.integers(1, 60),
-          weight=st.sampled_from([1.0, 2.0]))
-    def arrive(self, tenant, prompt, out, weight):
+          weight=st.sampled_from([1.0, 2.0]), prefix=st.integers(0, len(PREFIXES) - 1), salt=st.sampled_from(["", "s"]))
+    def arrive(self, tenant, prompt, out, weight, prefix, salt):
         self.n += 1
-        s = Sequence(f"p{self.n}", tenant, [1] * prompt, SamplingParams(max_tokens=out), weight=weight,
-                     max_tokens=out)
+        tokens = (PREFIXES[prefix] + [self.n + 1000] * prompt)[:prompt]
+        s = Sequence(f"p{self.n}", tenant, tokens, SamplingParams(max_tokens=out), weight=weight,
+                     max_tokens=out, cache_namespace=tenant + "/" + salt)
         self.sched.add(s)
         self.live.append(s)
 
@@ -65,6 +75,7 @@ class KVMachine(RuleBasedStateMachine):
         for c in self.sched.schedule():
             s = c.seq
             s.num_computed_tokens += c.num_tokens
+            self.bm.cache_computed(s)
             if s.num_computed_tokens == s.num_tokens:
                 s.output_token_ids.append(7)
                 if len(s.output_token_ids) >= s.max_tokens:
@@ -76,8 +87,19 @@ class KVMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         tables = [b for s in self.sched.by_id.values() for b in s.block_table]
-        assert len(tables) == len(set(tables)) == self.bm.num_used
-        assert 0 <= self.bm.num_free and self.bm.num_used >= 0
+        cache = self.bm.cache
+        cached = set(cache._refs) if cache is not None else set()
+        held = set(tables)
+        # blocks in use (not on the free list) == blocks held by requests + blocks only the cache holds
+        assert BLOCKS - self.bm.num_free_list == len(held | cached)
+        assert self.bm.num_used == len(held)  # referenced blocks; evictable cached ones count as free
+        assert 0 <= self.bm.num_free_list <= self.bm.num_free and self.bm.num_used >= 0
+        for b in held - cached:
+            assert tables.count(b) == 1  # a private block is in one table only
+        if cache is not None:
+            cache.check()
+            for b in cached:
+                assert cache.refcount(b) == tables.count(b) >= 0
         for s in self.sched.by_id.values():
             if s.status is SequenceStatus.WAITING:
                 assert not s.block_table
@@ -92,6 +114,8 @@ class KVMachine(RuleBasedStateMachine):
             self._step()
         assert not self.sched.has_work(), "scheduler stalled"
         assert self.bm.num_used == 0 and self.bm.num_free == BLOCKS
+        self.bm.flush_cache()
+        assert self.bm.num_free_list == BLOCKS and self.bm.num_cached == 0
 
 
 KVMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from worker.cache.namespace import GLOBAL_NAMESPACE, derive_namespace, load_secret
+from worker.cache.radix import RadixCache
 from worker.engine.block_manager import BlockManager
 from worker.scheduling.quota import KVQuota, KVQuotaConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, stop_string_holdback
@@ -56,6 +58,12 @@ class EngineConfig:
     default per-tenant hard cap (fraction of the pool). kv_soft_quotas / kv_hard_caps: per tenant
     id or tier, a fraction of the pool (soft default: the tenant's weight share). See
     worker/scheduling/quota.py and docs/memory-isolation.md.
+    prefix_cache: the tenant-namespaced radix prefix cache on. cache_isolation: False only for
+    experiments (one global namespace shared by all tenants: the unsafe baseline). public_prefixes:
+    token-id lists shared across tenants (whole blocks only). ttft_floor_s: tier -> seconds; a
+    request's first token is held back until that long after its arrival. cache_secret: key of the
+    namespace derivation (None: $FAIRSHARE_CACHE_SECRET, else random per process). cached_rate:
+    fraction of the prompt-token rate charged per cached prompt token. See docs/cache-isolation.md.
     """
 
     policy: str = "vtc"
@@ -82,6 +90,11 @@ class EngineConfig:
     kv_hard_cap: float = 1.0
     kv_soft_quotas: dict = field(default_factory=dict)
     kv_hard_caps: dict = field(default_factory=dict)
+    prefix_cache: bool = True
+    cache_isolation: bool = True
+    public_prefixes: list = field(default_factory=list)
+    ttft_floor_s: dict = field(default_factory=dict)
+    cache_secret: bytes | None = None
 
     def quota_config(self) -> KVQuotaConfig:
         return KVQuotaConfig(self.kv_quota, self.kv_watermark, self.kv_headroom, self.kv_shared_buffer,
@@ -145,8 +158,10 @@ class Engine:
         self.runner = runner
         self.clock = clock or time.monotonic
         self.recorder = recorder
-        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size)
         cfg = self.config
+        self.cache = RadixCache(runner.block_size, cfg.public_prefixes) if cfg.prefix_cache else None
+        self.cache_secret = cfg.cache_secret or load_secret()
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, cache=self.cache)
         self.cost = make_cost(cfg.cost, alpha=cfg.alpha, beta=cfg.beta, cached_rate=cfg.cached_rate, profile=cfg.profile)
         options = {"quantum": cfg.drr_quantum} if cfg.policy == "drr" else {}
         self.policy = make_policy(cfg.policy, self.cost, **options)
@@ -168,12 +183,17 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.idle_kv_blocks_used = 0
+        self._held: dict[str, tuple[float, Sequence, str | None]] = {}  # TTFT floor: request id -> (until, seq, error)
 
     # ---- thread-safe entry points -------------------------------------------------------------
     def add_request(self, request_id: str, tenant_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     on_output: OutputCallback, weight: float = 1.0, tier: str = "interactive",
-                    cache_namespace: str = "", arrival_time: float | None = None) -> None:
+                    cache_namespace: str = "", arrival_time: float | None = None, cache_salt: str = "") -> None:
         """Queue a request. arrival_time: when it arrived, on the engine's clock (default: now).
+        cache_salt: the client's salt, splitting the tenant's prefix-cache namespace. The namespace
+        is derived here from the tenant id and the salt under the engine's secret
+        (`worker.cache.namespace.derive_namespace`); `cache_namespace`, when given, replaces it
+        (trusted in-process callers only, e.g. experiments; servers never pass client input there).
         Raises ValueError when it can never run (empty or too long prompt, bad sampling values,
         token ids outside the vocabulary, duplicate id)."""
         if not prompt_token_ids:
@@ -187,6 +207,10 @@ class Engine:
         if not weight > 0:
             raise ValueError("tenant weight must be > 0")
         sampling.validate()
+        if not self.config.cache_isolation:
+            cache_namespace = GLOBAL_NAMESPACE  # experiment only: every tenant shares one namespace
+        elif not cache_namespace:
+            cache_namespace = derive_namespace(self.cache_secret, tenant_id, cache_salt)
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         seq = Sequence(request_id=request_id, tenant_id=tenant_id, prompt_token_ids=list(prompt_token_ids),
@@ -225,6 +249,9 @@ class Engine:
             self._drain_inbox()
             for seq in list(self.scheduler.by_id.values()):
                 self._finish(seq, FinishReason.ABORT)
+            for request_id, (_, seq, error) in list(self._held.items()):  # finished, first token held
+                del self._held[request_id]
+                self._emit(seq, final=seq.is_finished, error=error, release=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -234,7 +261,10 @@ class Engine:
                 log.exception("engine step failed")
                 worked = True
             if not worked:
-                self._wake.wait(0.05)
+                wait = 0.05
+                if self._held:  # wake up in time to release a held first token (TTFT floor)
+                    wait = min(wait, max(0.0, min(u for u, _, _ in self._held.values()) - self.clock()))
+                self._wake.wait(wait)
                 self._wake.clear()
 
     def _drain_inbox(self) -> None:
@@ -243,6 +273,8 @@ class Engine:
         for kind, item in inbox:
             if kind == "add":
                 self._prepare(item)
+                if self.cache is not None:
+                    self.cache.set_weight(item.tenant_id, item.weight)  # its share of the cache
                 self.scheduler.add(item)
                 if self.recorder is not None:
                     self.recorder.on_arrival(item.request_id, item.tenant_id, item.weight, item.arrival_time,
@@ -268,6 +300,8 @@ class Engine:
             from worker.engine.model_runner import ForwardItem as item_class
 
         with self._state_lock:
+            if self._held:
+                self._release_held()
             self._drain_inbox()
             started = self.clock()
             chunks = self.scheduler.schedule()
@@ -302,6 +336,7 @@ class Engine:
         rows, seqs = [], []
         for i, c in enumerate(chunks):
             c.seq.num_computed_tokens += c.num_tokens
+            self.block_manager.cache_computed(c.seq)  # completed whole blocks join the prefix cache
             if c.seq.num_computed_tokens == c.seq.num_tokens:
                 rows.append(i)
                 seqs.append(c.seq)
@@ -313,7 +348,7 @@ class Engine:
         if rec is not None:
             for c in chunks:
                 seq = c.seq
-                if seq.num_computed_tokens == c.num_tokens and seq.first_scheduled_time is not None:  # first chunk
+                if seq.first_scheduled_time is not None:  # idempotent: the first call counts
                     rec.on_admit(seq.request_id, seq.first_scheduled_time)
                 if c.prefill_units:
                     t = seq.tenant_id
@@ -376,7 +411,44 @@ class Engine:
         seq.output_text = seq.output_text[:min(hits)]
         return FinishReason.STOP
 
-    def _emit(self, seq: Sequence, final: bool, error: str | None = None) -> None:
+    # ---- TTFT floor ------------------------------------------------------------------------------
+    def _ttft_floor_until(self, seq: Sequence) -> float | None:
+        """When `seq`'s first token may be released (arrival + its tier's floor), or None."""
+        floor = self.config.ttft_floor_s.get(seq.tier, 0.0) if self.config.ttft_floor_s else 0.0
+        return seq.arrival_time + floor if floor > 0 else None
+
+    def _hold(self, seq: Sequence, final: bool, error: str | None) -> bool:
+        """Whether to hold this output back: nothing emitted yet, a token (or a normal finish) to
+        emit and the tier's TTFT floor not reached. Errors and aborts are never held."""
+        if error is not None or seq.emitted_token_count or not seq.output_token_ids:
+            return False
+        if final and seq.finish_reason is FinishReason.ABORT:
+            return False
+        until = self._ttft_floor_until(seq)
+        if until is None or self.clock() >= until:
+            return False
+        self._held[seq.request_id] = (until, seq, error)
+        return True
+
+    def _release_held(self) -> None:
+        """Emit held outputs whose floor has passed (everything committed since, in one message)."""
+        now = self.clock()
+        for request_id, (until, seq, error) in list(self._held.items()):
+            if now >= until:
+                del self._held[request_id]
+                self._emit(seq, final=seq.is_finished, error=error, release=True)
+
+    def next_release_time(self) -> float | None:
+        """Earliest time (engine clock) a held first token is due, or None (for virtual-clock drivers)."""
+        with self._state_lock:
+            return min((u for u, _, _ in self._held.values()), default=None)
+
+    def _emit(self, seq: Sequence, final: bool, error: str | None = None, release: bool = False) -> None:
+        if not release and (seq.request_id in self._held or self._hold(seq, final, error)):
+            if seq.request_id in self._held and (error is not None or (final and seq.finish_reason is FinishReason.ABORT)):
+                del self._held[seq.request_id]  # errors and aborts go out at once
+            else:
+                return
         holdback = 0 if final else stop_string_holdback(seq.output_text, seq.sampling.stop)
         end = max(seq.emitted_text_len, len(seq.output_text) - holdback)
         delta = seq.output_text[seq.emitted_text_len:end]
@@ -389,7 +461,7 @@ class Engine:
             prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
             cached_tokens=seq.num_cached_tokens,
             queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
-            first_token_s=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            first_token_s=None if seq.first_token_time is None else self._first_token_s(seq),
             error=error,
         )
         if final:
@@ -403,6 +475,12 @@ class Engine:
             except Exception:
                 log.exception("output callback for %s failed", seq.request_id)
 
+    def _first_token_s(self, seq: Sequence) -> float:
+        """Seconds from arrival to the first token as the client sees it (the TTFT floor included)."""
+        t = seq.first_token_time
+        until = self._ttft_floor_until(seq)
+        return (t if until is None else max(t, until)) - seq.arrival_time
+
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
         if self.recorder is not None:
@@ -413,7 +491,29 @@ class Engine:
     def snapshot(self) -> dict:
         """Load figures for GetLoad / metrics (safe on any thread; may be one step stale)."""
         with self._state_lock:
-            return self._snapshot()
+            return self._with_cache(self._snapshot())
+
+    def _with_cache(self, snap: dict) -> dict:
+        """Add the prefix cache's figures: pool-wide (cache_blocks, cache_public_blocks,
+        cache_hit_tokens, cache_lookup_tokens, cache_evictable_blocks) and per tenant (cache_blocks:
+        its footprint; cached_prompt_tokens: prompt tokens it was served from the cache)."""
+        cache = self.cache
+        snap["prefix_cache"] = cache is not None
+        if cache is None:
+            snap.update(cache_blocks=0, cache_public_blocks=0, cache_hit_tokens=0, cache_lookup_tokens=0,
+                        cache_evictable_blocks=0)
+            for t in snap["tenants"]:
+                t.update(cache_blocks=0, cached_prompt_tokens=0)
+            return snap
+        st = cache.stats
+        snap.update(cache_blocks=cache.num_blocks, cache_public_blocks=cache.num_public_blocks,
+                    cache_hit_tokens=st.hit_tokens, cache_lookup_tokens=st.lookup_tokens,
+                    cache_evictable_blocks=cache.num_evictable)
+        for t in snap["tenants"]:
+            tid = t["tenant_id"]
+            t["cache_blocks"] = cache.footprint(tid)
+            t["cached_prompt_tokens"] = st.hit_tokens_by_tenant.get(tid, 0)
+        return snap
 
     def _snapshot(self) -> dict:
         counts = self.scheduler.tenant_counts()

@@ -39,6 +39,14 @@ eligibility gate. Without `quota` (or with it disabled) the behaviour is the quo
 Charges: prefill slices are charged here, when scheduled into the step that computes them, for
 prompt positions never charged before (recompute after preemption is not charged twice); output
 tokens are charged by the engine when committed.
+
+Prefix cache (`BlockManager.cache`, docs/cache-isolation.md): admission needs room only for the
+part of the prompt the tenant's cache namespace does not hold (`BlockManager.admission_need`;
+unreferenced cached blocks count as free and are evicted on demand); on admission the cached prefix
+is attached (shared blocks, `num_computed_tokens` starts after it) and its prompt positions are
+charged at the cost function's cached rate. Preemption and finishing release the request's
+references; shared blocks stay cached. KV quotas count a request's referenced cached blocks to its
+tenant (as `held_by_tenant` counts block tables); unreferenced cached blocks count to no quota.
 """
 
 from __future__ import annotations
@@ -292,6 +300,7 @@ class Scheduler:
             if seq.status is SequenceStatus.WAITING:
                 self._admit(seq)
                 partials.setdefault(tenant, deque()).appendleft(seq)
+                self._charge_cached(chunks, seq)
             have = alloc.get(seq.request_id, 0)
             # a running partial prefill takes a smaller slice when memory is short
             n = min(self.prefill_slice, seq.num_uncomputed - have, budget, self._room(seq, have))
@@ -322,7 +331,7 @@ class Scheduler:
         held_slots, held_blocks = self._held_for_others(seq.tenant_id)
         if len(self.running) + held_slots >= self.max_running:
             return False
-        need = self.blocks.blocks_needed(seq, seq.num_uncomputed)
+        need = self.blocks.admission_need(seq)  # the part not served by the prefix cache
         # blocks already promised to running prefills, or held for a returning tenant, are not free
         free = self._uncommitted - held_blocks
         if self.quota is not None and not self.gate.holds(seq.request_id):
@@ -397,7 +406,7 @@ class Scheduler:
             if not queue or len(self.running) >= self.max_running:
                 continue
             head = queue[0]
-            need = self.blocks.blocks_needed(head, head.num_uncomputed)
+            need = self.blocks.admission_need(head)
             if self._committed(tenant) + need > quota.soft_blocks(tenant):
                 continue  # over (or would go over) its quota: no reclaim on its behalf
             room = self.blocks.num_free - quota.headroom_blocks
@@ -475,7 +484,7 @@ class Scheduler:
         """Reserve one slot and `head`'s blocks for `tenant`, preempting victims if needed. Returns
         False (preempting nothing) when the victims available cannot make the room."""
         assert self.returning is not None
-        need = self.blocks.blocks_needed(head, head.num_uncomputed)
+        need = self.blocks.admission_need(head)
         if self.quota is not None and self._committed(tenant) + need > self.quota.soft_blocks(tenant):
             return False  # it would go over its soft quota: not a case for preemption
         slots, blocks = self._held_for_others(tenant)
@@ -518,7 +527,9 @@ class Scheduler:
         for tenant, (request_id, need) in self._unfit.items():
             if tenant != seq.tenant_id:
                 self.gate.on_skip(tenant, request_id, need, self.stats.iterations)
-        self._uncommitted -= self.blocks.blocks_needed(seq, seq.num_uncomputed)
+        need = self.blocks.admission_need(seq)
+        self._uncommitted -= need
+        self.blocks.attach_prefix(seq)  # a cached prefix: its blocks shared, its tokens not recomputed
         queue = self.waiting[seq.tenant_id]
         assert queue[0] is seq
         queue.popleft()
@@ -532,12 +543,30 @@ class Scheduler:
         held = self._reserved.get(seq.tenant_id)
         if held is not None:
             held[0] -= 1
-            held[1] -= self.blocks.blocks_needed(seq, seq.num_uncomputed)
+            held[1] -= need
             if held[0] <= 0:
                 del self._reserved[seq.tenant_id]
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.clock()
             self.policy.on_admit(seq.tenant_id, seq.request_id, len(seq.prompt_token_ids), seq.max_tokens)
+
+    def _charge_cached(self, chunks: dict[str, ScheduledChunk], seq: Sequence) -> None:
+        """Charge, at the cost function's cached rate, the prompt positions just served from the
+        prefix cache (those in [0, num_computed_tokens) never charged before); they count in
+        `num_cached_tokens`, reported as the request's cached prompt tokens."""
+        lo = seq.num_charged_prefill
+        hi = min(seq.num_computed_tokens, len(seq.prompt_token_ids))
+        if hi <= lo:
+            return
+        units = self.cost.prefill(0, hi - lo, start=lo)
+        seq.num_charged_prefill = hi
+        seq.num_cached_tokens += hi - lo
+        chunk = chunks.get(seq.request_id)
+        if chunk is None:
+            chunk = chunks[seq.request_id] = ScheduledChunk(seq, 0)
+        if units:
+            self.policy.charge(seq.tenant_id, units, request_id=seq.request_id)
+            chunk.prefill_units += units
 
     def _charge_prefill(self, chunk: ScheduledChunk, start: int, n: int) -> None:
         """Charge the prompt positions in [start, start+n) never charged before."""

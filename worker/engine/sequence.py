@@ -56,7 +56,10 @@ class Sequence:
     After a recompute preemption `num_computed_tokens` returns to 0 and prompt + outputs so far are
     prefilled again. `num_charged_prefill` is the high-water mark of prompt-side tokens already
     charged, so recomputation is not charged twice (declared rule: recompute after preemption is
-    the platform's cost, not the tenant's).
+    the platform's cost, not the tenant's). With the prefix cache, admission may start
+    `num_computed_tokens` at a block-aligned cached prefix (its blocks shared, reference-counted);
+    `num_cached_tokens` counts the prompt tokens so served, charged at the declared cached rate.
+    `cache_namespace` is the radix-cache namespace (derived by the engine from the tenant).
     """
 
     request_id: str
@@ -73,7 +76,8 @@ class Sequence:
     emitted_text_len: int = 0             # chars of output_text already streamed
     emitted_token_count: int = 0
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0            # prompt tokens served from the prefix cache (charged at the cached rate)
+    num_cache_inserted_blocks: int = 0    # leading blocks of block_table already offered to the cache
     num_charged_prefill: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

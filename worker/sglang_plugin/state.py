@@ -2,7 +2,7 @@
 
 Imports neither sglang nor torch. It works on SGLang 0.5.23 `Req` objects by duck typing, reading
 only these fields: `rid`, `origin_input_ids`, `output_ids`, `prefix_len`, `extend_end`,
-`is_retracted`, `finished()`, `extra_key`, `lora_id`, `sampling_params` (`custom_params`,
+`is_retracted`, `finished()`, `extra_key`, `cache_salt`, `lora_id`, `sampling_params` (`custom_params`,
 `max_new_tokens`) — and it writes `extra_key` (namespace enforcement) and one attribute of its own,
 `fairshare_tag`.
 
@@ -83,15 +83,17 @@ class FairShareState:
     # ---- identity ---------------------------------------------------------------------------
     def tag_of(self, req) -> TenantTag:
         """The request's tenant (verified once, then cached on the request). Also enforces the
-        namespace: a verified request's `extra_key` must be its tenant's (plus SGLang's own LoRA
-        or `|`-separated suffixes); an unverified request's is moved under `fsu|`."""
+        namespace: a verified request's `extra_key` is set to the one the worker derives from its
+        tenant and `cache_salt` (`tenant.extra_key_for`, plus SGLang's own LoRA id or
+        `|`-separated suffixes); an unverified request's is moved under `fsu|`."""
         tag = getattr(req, TAG_ATTR, None)
         if tag is not None:
             return tag
         tag = tenant_mod.verify(tenant_mod.custom_params_token(getattr(req, "sampling_params", None)), self.secret)
         current = getattr(req, "extra_key", None) or ""
         if tag is not None:
-            expected = tag.extra_key + (getattr(req, "lora_id", None) or "")
+            expected = (tenant_mod.extra_key_for(tag.tenant_id, getattr(req, "cache_salt", None), self.secret)
+                        + (getattr(req, "lora_id", None) or ""))
             if current != expected and not current.startswith(expected + "|"):
                 req.extra_key = expected
         else:

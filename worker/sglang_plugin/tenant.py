@@ -6,18 +6,26 @@ consumer) both use it.
 Where each piece travels (SGLang 0.5.23 `GenerateReqInput` → `Req`):
 
 - **Identity** (tenant id, weight, tier): `sampling_params["custom_params"]["fairshare_tenant"]`,
-  a token `v1.<payload>.<mac>`: payload = base64url(JSON [tenant_id, weight, tier, namespace_key]),
-  mac = HMAC-SHA256 over `v1.<payload>` with a server secret (`FAIRSHARE_SGLANG_SECRET`, hex),
-  first 32 hex digits. `custom_params` is SGLang's own per-request dict for scheduler-side
-  extensions (it carries SGLang's reasoning delimiters the same way), survives its tokenizer →
-  scheduler IPC unchanged, and does not enter the radix key, so a weight or tier change does not
-  invalidate a tenant's cache.
-- **Cache namespace**: `extra_key = "fs|" + namespace_key`, where namespace_key = the first 32 hex
-  digits of SHA-256 over the gateway's `Tenant.cache_namespace` (itself a keyed hash the gateway
-  derives from the tenant). SGLang's `RadixKey(token_ids, extra_key, cache_salt)` keeps different
-  extra keys in disjoint subtrees, and HiCache storage hashes are seeded by them.
-- **Client salt** (`GenerateRequest.cache_salt`): SGLang's `cache_salt`. It splits the tenant's own
-  namespace only; it can never name another tenant's, since the extra key differs.
+  a token `v2.<payload>.<mac>`: payload = base64url(JSON [tenant_id, weight, tier]), mac =
+  HMAC-SHA256 over `v2.<payload>` with a server secret (`FAIRSHARE_SGLANG_SECRET`, hex), first 32
+  hex digits. `custom_params` is SGLang's own per-request dict for scheduler-side extensions (it
+  carries SGLang's reasoning delimiters the same way), survives its tokenizer → scheduler IPC
+  unchanged, and does not enter the radix key, so a weight or tier change does not invalidate a
+  tenant's cache.
+- **Cache namespace**: `extra_key = "fs|" + derive_namespace(cache_secret, tenant_id, cache_salt)`
+  (`worker.cache.namespace`, the reference worker's derivation), computed on the worker from the
+  verified tenant id and the request's `cache_salt`, never taken from the gateway or the client.
+  SGLang's `RadixKey(token_ids, extra_key, cache_salt)` keeps different extra keys in disjoint
+  subtrees of its radix tree, at every tier it has: device KV, HiCache host copies (attached to the
+  same tree nodes) and HiCache storage, whose page hashes are seeded by the extra key and salt
+  (`sglang.srt.mem_cache.utils.storage_namespace_seed`). The cache secret is
+  `FAIRSHARE_CACHE_SECRET` when set (set the same value on every worker sharing a HiCache storage
+  backend to let a tenant's storage pages be reused across them), else a key derived from the
+  token secret; either way every scheduler process and tensor-parallel rank computes the same
+  namespaces, as SGLang's rank-consensus checks on its cache require.
+- **Client salt** (`GenerateRequest.cache_salt`): folded into the namespace (and passed on as
+  SGLang's `cache_salt` as well). It splits the tenant's own namespace only; it can never name
+  another tenant's, since the tenant id is part of the hashed input.
 
 Why a MAC: the plugin is loaded by *every* SGLang scheduler in an environment where FairShare is
 installed, including one serving SGLang's own HTTP API, whose clients can set `extra_key`,
@@ -26,6 +34,8 @@ the tenant it names; any other request is accounted to `UNVERIFIED_TENANT` and i
 moved under the `fsu|` prefix, so it can neither charge nor read another tenant's namespace.
 The secret is created by the worker before it starts SGLang and reaches the scheduler processes
 (spawned) through the environment; every tensor-parallel rank sees the same one.
+
+Imports `worker.cache.namespace` (pure Python) for the namespace derivation.
 """
 
 from __future__ import annotations
@@ -37,6 +47,10 @@ import json
 import os
 import secrets
 from dataclasses import dataclass
+from functools import lru_cache
+
+from worker.cache.namespace import SECRET_ENV as CACHE_SECRET_ENV
+from worker.cache.namespace import derive_namespace
 
 CUSTOM_PARAM_KEY = "fairshare_tenant"
 SECRET_ENV = "FAIRSHARE_SGLANG_SECRET"
@@ -44,8 +58,9 @@ NAMESPACE_PREFIX = "fs|"
 UNVERIFIED_PREFIX = "fsu|"
 UNVERIFIED_TENANT = "_unverified"
 TIERS = ("interactive", "batch", "background")
-_VERSION = "v1"
+_VERSION = "v2"
 _MAC_HEX = 32
+_CACHE_KEY_LABEL = b"fairshare sglang cache-namespace secret v1"
 
 
 @dataclass(frozen=True)
@@ -53,25 +68,13 @@ class TenantTag:
     """What the plugin knows about a request's tenant.
 
     tenant_id: the gateway-derived tenant. weight: VTC weight (> 0). tier: one of TIERS.
-    namespace_key: 32 hex digits naming the tenant's radix-cache namespace. verified: the tag came
-    from a token whose MAC checked out.
+    verified: the tag came from a token whose MAC checked out.
     """
 
     tenant_id: str
     weight: float = 1.0
     tier: str = "interactive"
-    namespace_key: str = ""
     verified: bool = False
-
-    @property
-    def extra_key(self) -> str:
-        """The radix-cache `extra_key` this tenant's requests must carry."""
-        return NAMESPACE_PREFIX + self.namespace_key
-
-
-def namespace_key(cache_namespace: str) -> str:
-    """Fixed-length key for a gateway cache namespace (first 32 hex digits of its SHA-256)."""
-    return hashlib.sha256(cache_namespace.encode()).hexdigest()[:_MAC_HEX]
 
 
 def new_secret() -> str:
@@ -88,11 +91,44 @@ def ensure_secret() -> str:
     return value
 
 
+@lru_cache(maxsize=8)
+def _cache_secret(token_secret: str, configured: str) -> bytes:
+    if configured:
+        raw = configured.encode("utf-8")
+        if len(raw) < 16:
+            raise ValueError(f"{CACHE_SECRET_ENV} must be at least 16 bytes long")
+        return raw
+    return hmac.new(token_secret.encode(), _CACHE_KEY_LABEL, hashlib.sha256).digest()
+
+
+def cache_secret(token_secret: str, environ=None) -> bytes:
+    """The secret radix-cache namespaces are derived under (bytes, 32 or more).
+
+    `FAIRSHARE_CACHE_SECRET` (UTF-8) when set in `environ` (default `os.environ`), else
+    HMAC-SHA256(token_secret, a fixed label): deterministic in every process that shares the token
+    secret (all SGLang schedulers and tensor-parallel ranks), and independent of the tenant-token
+    MACs. Raises ValueError for an empty token secret without `FAIRSHARE_CACHE_SECRET`, or a
+    `FAIRSHARE_CACHE_SECRET` shorter than 16 bytes.
+    """
+    env = os.environ if environ is None else environ
+    configured = env.get(CACHE_SECRET_ENV, "")
+    if not configured and not token_secret:
+        raise ValueError("no secret to derive cache namespaces from")
+    return _cache_secret(token_secret or "", configured)
+
+
+def extra_key_for(tenant_id: str, cache_salt: str | None, token_secret: str, environ=None) -> str:
+    """The SGLang `extra_key` of a request of `tenant_id` with the client's `cache_salt`:
+    `"fs|" + derive_namespace(cache_secret(token_secret), tenant_id, cache_salt or "")`
+    (3 + 65 characters). Raises ValueError for an empty tenant id or no secret."""
+    return NAMESPACE_PREFIX + derive_namespace(cache_secret(token_secret, environ), tenant_id, cache_salt or "")
+
+
 def _mac(secret: str, message: str) -> str:
     return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()[:_MAC_HEX]
 
 
-def sign(tenant_id: str, weight: float, tier: str, cache_namespace: str, secret: str) -> str:
+def sign(tenant_id: str, weight: float, tier: str, secret: str) -> str:
     """The token for a request of `tenant_id` (see the module docstring).
 
     Raises ValueError for an empty tenant id, a non-positive weight or an unknown tier.
@@ -103,7 +139,7 @@ def sign(tenant_id: str, weight: float, tier: str, cache_namespace: str, secret:
         raise ValueError(f"tenant weight must be > 0, got {weight}")
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}")
-    body = json.dumps([tenant_id, float(weight), tier, namespace_key(cache_namespace)], separators=(",", ":"))
+    body = json.dumps([tenant_id, float(weight), tier], separators=(",", ":"))
     payload = base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
     message = f"{_VERSION}.{payload}"
     return f"{message}.{_mac(secret, message)}"
@@ -121,18 +157,18 @@ def verify(token: object, secret: str | None) -> TenantTag | None:
         return None
     try:
         raw = base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4))
-        tenant_id, weight, tier, ns = json.loads(raw)
+        tenant_id, weight, tier = json.loads(raw)
     except (ValueError, TypeError):
         return None
     if not (isinstance(tenant_id, str) and tenant_id and isinstance(weight, (int, float)) and weight > 0
-            and tier in TIERS and isinstance(ns, str) and ns):
+            and tier in TIERS):
         return None
-    return TenantTag(tenant_id, float(weight), tier, ns, verified=True)
+    return TenantTag(tenant_id, float(weight), tier, verified=True)
 
 
 def unverified_tag() -> TenantTag:
     """The tag every request without a valid token is accounted to."""
-    return TenantTag(UNVERIFIED_TENANT, 1.0, "background", "", verified=False)
+    return TenantTag(UNVERIFIED_TENANT, 1.0, "background", verified=False)
 
 
 def custom_params_token(sampling_params: object) -> object:

@@ -83,7 +83,10 @@ def run_workload(workload: Workload, policy: str, time_model: IterationTimeModel
         now = clock()
         while i < len(requests) and requests[i].arrival_s <= now:
             r = requests[i]
-            engine.add_request(r.request_id, r.tenant_id, [1 + (k % 1000) for k in range(r.prompt_tokens)],
+            # the first token is unique per request, so no two requests share a cached prefix
+            # unless a workload says so (the prefix cache is on in the simulator as in the worker)
+            prompt = [1001 + i % 30000] + [1 + (k % 1000) for k in range(1, r.prompt_tokens)]
+            engine.add_request(r.request_id, r.tenant_id, prompt,
                                SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True), ignore,
                                weight=r.weight, arrival_time=r.arrival_s)
             if r.cancel_at_s is not None:

@@ -1,0 +1,57 @@
+"""The statistics of the CI2 timing side-channel experiment (worker/cache/sidechannel.py)."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from worker.cache.sidechannel import analyse, auc_null_std, best_threshold, format_report, roc_auc
+
+
+def brute_auc(pos, neg):
+    return sum((p < n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
+
+
+def test_auc_matches_pair_counting_with_ties():
+    rng = random.Random(7)
+    for _ in range(50):
+        pos = [rng.randint(0, 12) for _ in range(rng.randint(1, 30))]
+        neg = [rng.randint(0, 12) for _ in range(rng.randint(1, 30))]
+        assert roc_auc(pos, neg) == pytest.approx(brute_auc(pos, neg))
+
+
+def test_auc_extremes_and_direction():
+    assert roc_auc([0.01, 0.02], [0.05, 0.06]) == 1.0      # shared probes faster: full leak
+    assert roc_auc([0.05, 0.06], [0.01, 0.02]) == 0.0
+    assert roc_auc([0.03] * 4, [0.03] * 5) == 0.5          # all tied: chance
+    with pytest.raises(ValueError):
+        roc_auc([], [1.0])
+
+
+def test_null_distribution_of_the_auc():
+    assert auc_null_std(200, 200) == pytest.approx(0.0289, abs=1e-4)
+    rng = random.Random(11)
+    aucs = [roc_auc([rng.random() for _ in range(200)], [rng.random() for _ in range(200)]) for _ in range(200)]
+    mean = sum(aucs) / len(aucs)
+    sd = (sum((a - mean) ** 2 for a in aucs) / (len(aucs) - 1)) ** 0.5
+    assert abs(mean - 0.5) < 0.01 and 0.022 < sd < 0.036
+    assert all(0.4 <= a <= 0.6 for a in aucs)               # the CI2 band holds for 200 + 200 draws of no leak
+
+
+def test_best_threshold_and_report():
+    t, acc = best_threshold([1, 2, 3], [4, 5, 6])
+    assert 3 < t < 4 and acc == 1.0
+    assert best_threshold([1, 4], [1, 4])[1] == 0.5
+    res = analyse("arm", [0.01, 0.02, 0.03], [0.02, 0.05, 0.06], 256.0, 0.0, [0.009], [0.05])
+    assert res.auc == pytest.approx(brute_auc(res.shared, res.control)) and res.worker_auc == 1.0
+    text = format_report([res], "setup")
+    assert text.splitlines()[0] == "setup" and "arm" in text and f"{res.auc:.3f}" in text
+
+
+def test_bench_and_sidechannel_modules_import_neither_torch_nor_grpc():
+    code = ("import sys, worker.cache.sidechannel, worker.cache.bench; "
+            "bad=[m for m in ('torch','grpc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,0 +1,108 @@
+"""`fairshare worker` flags of the radix prefix cache and what they set in `EngineConfig`
+(docs/cache-isolation.md).
+
+    --no-prefix-cache            no prefix caching at all (EngineConfig.prefix_cache = False)
+    --unsafe-global-cache        EXPERIMENTS ONLY: one namespace for every tenant (cache_isolation =
+                                 False), so tenants reuse (and can probe) each other's prompts
+    --public-prefix-file PATH    JSON list of public prefixes shared across tenants: strings
+                                 (tokenized with the model's tokenizer, no special tokens added) or
+                                 lists of token ids
+    --ttft-floor TIER=SECONDS    hold a tier's first tokens until SECONDS after arrival (repeatable)
+    --cached-rate RATE           fraction of the prompt-token rate charged per cached prompt token
+
+Imports neither torch nor grpc (the tokenizer is passed in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger("fairshare.worker")
+
+TIERS = ("interactive", "batch", "background")
+
+
+def _tier_seconds(text: str) -> tuple[str, float]:
+    """argparse type for TIER=SECONDS (a known tier, seconds >= 0)."""
+    tier, sep, value = text.partition("=")
+    tier = tier.strip()
+    if not sep or tier not in TIERS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TIER=SECONDS (TIER: {', '.join(TIERS)})")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not 0 <= seconds <= 600:
+        raise argparse.ArgumentTypeError(f"TTFT floor {seconds} s is not in [0, 600]")
+    return tier, seconds
+
+
+def _rate(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"{x} is not in [0, 1]")
+    return x
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the prefix-cache flags (module docstring) to a parser."""
+    g = p.add_argument_group("prefix cache", "tenant-namespaced radix prefix cache (docs/cache-isolation.md)")
+    g.add_argument("--no-prefix-cache", action="store_true", help="turn the prefix cache off")
+    g.add_argument("--unsafe-global-cache", action="store_true",
+                   help="EXPERIMENTS ONLY: one cache namespace shared by all tenants (leaks prompts across tenants)")
+    g.add_argument("--public-prefix-file", default=None, metavar="PATH",
+                   help="JSON list of prefixes shared across tenants: strings or lists of token ids")
+    g.add_argument("--ttft-floor", type=_tier_seconds, action="append", default=None, metavar="TIER=SECONDS",
+                   help="hold the tier's first token until SECONDS after arrival (repeatable)")
+    g.add_argument("--cached-rate", type=_rate, default=0.0,
+                   help="fraction of the prompt-token rate charged per cached prompt token (default 0)")
+
+
+def load_public_prefixes(path: str | Path, tokenizer) -> list[list[int]]:
+    """Read a JSON list of strings (encoded with `tokenizer`, no special tokens) or token-id lists.
+    Raises ValueError on a malformed file, OSError when it cannot be read."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, list):
+        raise ValueError("the public prefix file must hold a JSON list")
+    out: list[list[int]] = []
+    for i, item in enumerate(data):
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise ValueError("string prefixes need a tokenizer")
+            out.append(list(tokenizer.encode(item, add_special_tokens=False).ids))
+        elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                     for t in item):
+            out.append(list(item))
+        else:
+            raise ValueError(f"public prefix #{i} is neither a string nor a non-empty list of token ids")
+    return out
+
+
+def cache_settings(p: argparse.ArgumentParser, args: argparse.Namespace, tokenizer=None) -> dict:
+    """EngineConfig fields from the flags. Calls `p.error` (exit 2) for a bad public prefix file or
+    a tier given twice; logs a loud warning for --unsafe-global-cache."""
+    floors: dict[str, float] = {}
+    for tier, seconds in args.ttft_floor or []:
+        if tier in floors:
+            p.error(f"--ttft-floor: tier {tier!r} given twice")
+        floors[tier] = seconds
+    prefixes: list[list[int]] = []
+    if args.public_prefix_file:
+        try:
+            prefixes = load_public_prefixes(args.public_prefix_file, tokenizer)
+        except (OSError, ValueError) as exc:
+            p.error(f"--public-prefix-file: {exc}")
+    if args.unsafe_global_cache and not args.no_prefix_cache:
+        log.warning("UNSAFE: --unsafe-global-cache puts every tenant in ONE prefix-cache namespace; tenants can "
+                    "reuse and probe each other's prompts. For experiments only, never in a deployment.")
+    return {"prefix_cache": not args.no_prefix_cache, "cache_isolation": not args.unsafe_global_cache,
+            "public_prefixes": prefixes, "ttft_floor_s": floors, "cached_rate": args.cached_rate}
+
+
+__all__ = ["add_cache_arguments", "cache_settings", "load_public_prefixes"]
