@@ -120,3 +120,42 @@ class KVMachine(RuleBasedStateMachine):
 
 KVMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestKVQuotaStateMachine = KVMachine.TestCase
+
+
+def test_reclaimed_room_goes_to_the_tenant_it_was_reclaimed_for():
+    """Regression (found by the state machine): reclaim preempted an over-quota tenant's request for
+    a within-quota tenant's head, but a third tenant's burst took the freed blocks first; the
+    next iteration reclaimed from that one, and so on: a livelock with no request finishing. The
+    room made by reclaim is now held for the tenant it was made for during that iteration."""
+    m = KVMachine()
+    m.setup(quota=True, budget=32, public=True, cache=False, soft={'a': 0.6})
+    m.steps(k=1)
+    m.arrive(tenant='a', prompt=178, out=45, weight=1.0, prefix=0, salt='')
+    m.steps(k=5)
+    m.arrive(tenant='a', prompt=403, out=48, weight=1.0, prefix=0, salt='')
+    m.steps(k=3)
+    m.arrive(tenant='a', prompt=4, out=42, weight=1.0, prefix=0, salt='')
+    m.steps(k=2)
+    m.steps(k=1)
+    m.steps(k=2)
+    m.steps(k=1)
+    m.steps(k=5)
+    m.steps(k=3)
+    m.steps(k=8)
+    m.steps(k=8)
+    m.arrive(tenant='c', prompt=494, out=33, weight=2.0, prefix=2, salt='')
+    m.arrive(tenant='c', prompt=388, out=8, weight=2.0, prefix=2, salt='')
+    m.steps(k=3)
+    m.arrive(tenant='c', prompt=287, out=34, weight=1.0, prefix=0, salt='')
+    m.steps(k=8)
+    m.steps(k=5)
+    m.arrive(tenant='c', prompt=442, out=60, weight=1.0, prefix=1, salt='')
+    m.steps(k=2)
+    m.steps(k=4)
+    m.arrive(tenant='a', prompt=296, out=45, weight=1.0, prefix=1, salt='s')
+    m.steps(k=1)
+    m.arrive(tenant='a', prompt=447, out=47, weight=2.0, prefix=2, salt='s')
+    m.steps(k=2)
+    m.arrive(tenant='b', prompt=434, out=22, weight=1.0, prefix=1, salt='')
+    m.steps(k=6)
+    m.teardown()  # asserts that everything drains and nothing leaks

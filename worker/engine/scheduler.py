@@ -213,9 +213,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: dict[str, ScheduledChunk] = {}
         self._no_burst = set()
+        self._reserved = {}
         if self.quota is not None:
             self._reclaim()
-        self._reserved = {}
         if self.returning is not None:
             self._make_room_for_returning()
 
@@ -399,9 +399,14 @@ class Scheduler:
 
     def _reclaim(self) -> None:
         """Preempt over-quota tenants' requests so that waiting heads of tenants within their soft
-        quota fit (only when the over-quota tenants hold enough blocks to make the difference)."""
+        quota fit (only when the over-quota tenants hold enough blocks to make the difference). The
+        room made is held for that tenant for the iteration, so that a third tenant's admission
+        cannot take it (which would leave the head waiting and the preemption wasted)."""
         assert self.quota is not None
         quota = self.quota
+
+        def room() -> int:  # blocks an admission may use: free, less promised and headroom
+            return self.blocks.num_free - self._outstanding_prefill_blocks() - quota.headroom_blocks
         for tenant, queue in list(self.waiting.items()):
             if not queue or len(self.running) >= self.max_running:
                 continue
@@ -409,15 +414,14 @@ class Scheduler:
             need = self.blocks.admission_need(head)
             if self._committed(tenant) + need > quota.soft_blocks(tenant):
                 continue  # over (or would go over) its quota: no reclaim on its behalf
-            room = self.blocks.num_free - quota.headroom_blocks
-            if need <= room:
+            if need <= room():
                 continue
             held = self.held_by_tenant(reclaimable=True)
             held.pop(tenant, None)
             over = {t: b for t, b in held.items() if quota.over_soft(t, b)}
-            if sum(over.values()) < need - room:
+            if sum(over.values()) < need - room():
                 continue
-            while need > self.blocks.num_free - quota.headroom_blocks:
+            while need > room():
                 victim_tenant = quota.pick_victim_tenant(over)
                 victim = self._latest_with_blocks(victim_tenant) if victim_tenant is not None else None
                 if victim is None:
@@ -426,6 +430,9 @@ class Scheduler:
                 self._preempt(victim)
                 self.reclaim_preemptions += 1
                 self._no_burst.add(victim_tenant)
+            if need <= room():
+                held_for = self._reserved.setdefault(tenant, [0, 0])
+                held_for[0], held_for[1] = held_for[0] + 1, held_for[1] + need
 
     # ---- returning tenants -----------------------------------------------------------------------
     def _held_for_others(self, tenant_id: str) -> tuple[int, int]:
