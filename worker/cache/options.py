@@ -20,34 +20,34 @@ import json
 import logging
 from pathlib import Path
 
+from worker.scheduling.policy import TIERS
+
 log = logging.getLogger("fairshare.worker")
 
-TIERS = ("interactive", "batch", "background")
 
-
-def _tier_seconds(text: str) -> tuple[str, float]:
-    """argparse type for TIER=SECONDS (a known tier, seconds >= 0)."""
-    tier, sep, value = text.partition("=")
-    tier = tier.strip()
-    if not sep or tier not in TIERS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not TIER=SECONDS (TIER: {', '.join(TIERS)})")
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
-    if not 0 <= seconds <= 600:
-        raise argparse.ArgumentTypeError(f"TTFT floor {seconds} s is not in [0, 600]")
-    return tier, seconds
-
-
-def _rate(text: str) -> float:
+def _number_in(text: str, lo: float, hi: float, what: str) -> float:
+    """Parse a float in [lo, hi]; argparse.ArgumentTypeError names `what` otherwise."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= x <= 1:
-        raise argparse.ArgumentTypeError(f"{x} is not in [0, 1]")
+    if not lo <= x <= hi:
+        raise argparse.ArgumentTypeError(f"{what} {x} is not in [{lo:g}, {hi:g}]")
     return x
+
+
+def _tier_seconds(text: str) -> tuple[str, float]:
+    """argparse type for TIER=SECONDS (a known tier, 0 <= seconds <= 600)."""
+    tier, sep, value = text.partition("=")
+    tier = tier.strip()
+    if not sep or tier not in TIERS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TIER=SECONDS (TIER: {', '.join(TIERS)})")
+    return tier, _number_in(value, 0, 600, "TTFT floor (seconds)")
+
+
+def _rate(text: str) -> float:
+    """argparse type for a fraction in [0, 1]."""
+    return _number_in(text, 0, 1, "cached rate")
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
