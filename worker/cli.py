@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
                           max_model_len=args.max_model_len, device=args.device, **kv_quota,
-                          **cache_settings(parser, args, model.tokenizer))
+                          **cache_settings(parser, args, model.tokenizer, model.config.vocab_size))
     engine = Engine(model, config)
     from fairshare.telemetry import make_tracer_provider
 

@@ -64,9 +64,13 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the prompt-token rate charged per cached prompt token (default 0)")
 
 
-def load_public_prefixes(path: str | Path, tokenizer) -> list[list[int]]:
+def load_public_prefixes(path: str | Path, tokenizer, vocab_size: int | None = None) -> list[list[int]]:
     """Read a JSON list of strings (encoded with `tokenizer`, no special tokens) or token-id lists.
-    Raises ValueError on a malformed file, OSError when it cannot be read."""
+    vocab_size: when given, every token id must be below it (an id the model does not have could
+    never match a prompt, so the prefix would silently never be shared).
+    Raises ValueError on a malformed file (not a list, an item neither a non-empty string nor a
+    non-empty list of ids >= 0, a string that encodes to zero tokens, an id >= vocab_size),
+    OSError when it cannot be read."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, list):
         raise ValueError("the public prefix file must hold a JSON list")
@@ -75,18 +79,28 @@ def load_public_prefixes(path: str | Path, tokenizer) -> list[list[int]]:
         if isinstance(item, str):
             if tokenizer is None:
                 raise ValueError("string prefixes need a tokenizer")
-            out.append(list(tokenizer.encode(item, add_special_tokens=False).ids))
+            ids = list(tokenizer.encode(item, add_special_tokens=False).ids)
+            if not ids:
+                raise ValueError(f"public prefix #{i} encodes to zero tokens")
+            out.append(ids)
         elif isinstance(item, list) and item and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                      for t in item):
+            if vocab_size is not None and max(item) >= vocab_size:
+                raise ValueError(f"public prefix #{i} has token id {max(item)}, not below the model's "
+                                 f"vocabulary size {vocab_size}")
             out.append(list(item))
         else:
             raise ValueError(f"public prefix #{i} is neither a string nor a non-empty list of token ids")
     return out
 
 
-def cache_settings(p: argparse.ArgumentParser, args: argparse.Namespace, tokenizer=None) -> dict:
-    """EngineConfig fields from the flags. Calls `p.error` (exit 2) for a bad public prefix file or
-    a tier given twice; logs a loud warning for --unsafe-global-cache."""
+def cache_settings(p: argparse.ArgumentParser, args: argparse.Namespace, tokenizer=None,
+                   vocab_size: int | None = None) -> dict:
+    """EngineConfig fields from the flags. Calls `p.error` (exit 2) for a bad public prefix file
+    (see `load_public_prefixes`) or a tier given twice; logs a loud warning for
+    --unsafe-global-cache, and a warning for each public prefix shorter than one KV block
+    (`args.block_size` tokens, when the parser has it): only whole blocks are shared, so such a
+    prefix is never shared."""
     floors: dict[str, float] = {}
     for tier, seconds in args.ttft_floor or []:
         if tier in floors:
@@ -95,9 +109,14 @@ def cache_settings(p: argparse.ArgumentParser, args: argparse.Namespace, tokeniz
     prefixes: list[list[int]] = []
     if args.public_prefix_file:
         try:
-            prefixes = load_public_prefixes(args.public_prefix_file, tokenizer)
+            prefixes = load_public_prefixes(args.public_prefix_file, tokenizer, vocab_size)
         except (OSError, ValueError) as exc:
             p.error(f"--public-prefix-file: {exc}")
+        block = getattr(args, "block_size", None)
+        for i, ids in enumerate(prefixes):
+            if block and len(ids) < block:
+                log.warning("public prefix #%d is %d token(s), shorter than one KV block (%d tokens): only whole "
+                            "blocks are shared, so it never will be", i, len(ids), block)
     if args.unsafe_global_cache and not args.no_prefix_cache:
         log.warning("UNSAFE: --unsafe-global-cache puts every tenant in ONE prefix-cache namespace; tenants can "
                     "reuse and probe each other's prompts. For experiments only, never in a deployment.")
