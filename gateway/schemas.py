@@ -213,6 +213,10 @@ class ChatCompletionRequest(_SamplingFields):
             raise invalid_request("Only response_format {\"type\": \"text\"} is supported by this server.",
                                   "response_format", "unsupported_value")
         for i, m in enumerate(self.messages):
+            if isinstance(m.content, list) and not m.content:  # OpenAI refuses it too (code empty_array)
+                raise invalid_request(f"Invalid 'messages.[{i}].content': empty array. Expected an array with "
+                                      "minimum length 1, but got an empty array instead.",
+                                      f"messages.[{i}].content", "empty_array")
             if isinstance(m.content, list):
                 for j, p in enumerate(m.content):
                     if not isinstance(p, TextPart):

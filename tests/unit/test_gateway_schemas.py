@@ -66,6 +66,15 @@ def test_unsupported_parameters_are_refused_not_ignored(extra, param):
     assert e.value.status == 400 and e.value.param == param
 
 
+@pytest.mark.parametrize("role", ["user", "system", "assistant"])
+def test_empty_content_array_is_refused(role):
+    """`"content": []` is a 400 `empty_array` (as OpenAI answers), not a prompt with an empty turn."""
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": M + [{"role": role, "content": []}]})
+    with pytest.raises(APIError) as e:
+        req.refuse_unsupported()
+    assert (e.value.status, e.value.param, e.value.code) == (400, "messages.[1].content", "empty_array")
+
+
 def test_accepted_parameters():
     req = ChatCompletionRequest.model_validate({
         "model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
