@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import yaml
+
 from fairshare.config import KeyRecord, KeysFile, TenantConfig, TenantsFile, load_keys, load_tenants, save_keys
 
 from .errors import APIError, invalid_api_key, missing_api_key
@@ -116,6 +118,7 @@ class TenantDirectory:
         self._lock = threading.Lock()
         self._checked_at = 0.0
         self._stamp: tuple = ()
+        self._bad_stamp: tuple | None = None  # files as they were when a reload last failed
         self._tenants: dict[str, TenantConfig] = {}
         self._by_digest: dict[str, str] = {}
         self._ns: dict[str, str] = {}
@@ -161,19 +164,29 @@ class TenantDirectory:
         self._checked_at = time.monotonic()
 
     def maybe_reload(self) -> None:
-        """Reload when a file changed, at most once per reload interval; keeps the old data on errors."""
+        """Reload when a file changed, at most once per reload interval; keeps the old data on errors.
+        A malformed file (OSError, ValueError incl. pydantic's ValidationError, yaml.YAMLError) is
+        logged as one line, once: it is not read again until the files change."""
         if self._tenants_file is None and self._keys_file is None:
             return
         now = time.monotonic()
         if now - self._checked_at < self._reload_interval_s:
             return
         self._checked_at = now
-        if self._file_stamp() == self._stamp:
+        stamp = self._file_stamp()
+        if stamp in (self._stamp, self._bad_stamp):  # unchanged, or the same broken files as last time
             return
         try:
             self.reload()
+            self._bad_stamp = None
             log.info("reloaded tenants/keys")
+        except (OSError, ValueError, yaml.YAMLError) as exc:  # an operator's mistake: one line, once per edit
+            self._bad_stamp = stamp
+            text = " ".join(str(exc).split())
+            log.error("could not reload tenants/keys (%s: %s); keeping the previous configuration",
+                      type(exc).__name__, text[:500])
         except Exception:  # keep serving with the previous configuration
+            self._bad_stamp = stamp
             log.exception("could not reload tenants/keys; keeping the previous configuration")
 
     # -- queries ---------------------------------------------------------------------------------

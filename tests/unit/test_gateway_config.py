@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,29 @@ def test_directory_reloads_new_keys(tmp_path):
     d = TenantDirectory(b"s", p, keys, reload_interval_s=0.0)
     k, _ = create_key(b"s", "acme", keys)
     assert d.authenticate(f"Bearer {k}").tenant.id == "acme"
+
+
+@pytest.mark.parametrize("broken", ["tenants: [ {\n", "tenants:\n  - id: acme\n    weight: -1\n", None])
+def test_broken_tenants_file_keeps_the_old_config_and_is_logged_once(tmp_path, caplog, broken):
+    """A malformed (or deleted) tenants file: the previous tenants keep working, the error is logged
+    as one line without a traceback, once per edit (not on every request), and a fixed file is
+    picked up again."""
+    p = tmp_path / "tenants.yaml"
+    p.write_text(TENANTS)
+    keys = tmp_path / "k.yaml"
+    k, _ = create_key(b"s", "acme", keys)
+    d = TenantDirectory(b"s", p, keys, reload_interval_s=0.0)
+    if broken is None:
+        p.unlink()
+    else:
+        p.write_text(broken)
+    with caplog.at_level(logging.INFO, logger="fairshare.gateway"):
+        for _ in range(5):
+            assert d.authenticate(f"Bearer {k}").tenant.id == "acme"
+    errors = [r for r in caplog.records if "could not reload" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is None and "\n" not in errors[0].getMessage()
+    p.write_text(TENANTS.replace("weight: 2.5", "weight: 4"))
+    assert d.authenticate(f"Bearer {k}").tenant.weight == 4
 
 
 def test_inline_digests(tmp_path):
