@@ -36,6 +36,22 @@ from fairshare.procs import port_in_use
 from worker.cache.options import add_cache_arguments, cache_settings
 
 
+def _positive(kind):
+    """argparse type: an int or float (`kind`) > 0 (a finite one); ArgumentTypeError otherwise, so a
+    bad size is a one-line usage error (exit 2) instead of a traceback from the engine."""
+
+    def parse(text: str):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not 0 < x < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        return x
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fairshare worker", description="Run a FairShare gRPC worker (reference engine).")
     p.add_argument("--engine", choices=["reference", "sglang"], default="reference",
@@ -48,23 +64,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", default=None, help="name to report (default: the model's)")
     p.add_argument("--policy", choices=["vtc", "vtc-pred", "drr", "fcfs"], default="vtc",
                    help="fair-share policy: weighted VTC (default), VTC with length prediction, DRR, or FCFS")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per iteration (prefill chunk)")
-    p.add_argument("--max-running", type=int, default=64, help="most sequences admitted at once")
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-mb", type=float, default=1024.0, help="KV pool size when --num-kv-blocks is not given")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=_positive(int), default=512, help="token budget per iteration (prefill chunk)")
+    p.add_argument("--max-running", type=_positive(int), default=64, help="most sequences admitted at once")
+    p.add_argument("--num-kv-blocks", type=_positive(int), default=None)
+    p.add_argument("--kv-cache-mb", type=_positive(float), default=1024.0, help="KV pool size when --num-kv-blocks is not given")
+    p.add_argument("--block-size", type=_positive(int), default=16)
+    p.add_argument("--max-model-len", type=_positive(int), default=None)
     p.add_argument("--alpha", type=float, default=1.0, help="service units per prompt token")
     p.add_argument("--beta", type=float, default=2.0, help="service units per output token")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=_positive(int), default=None, help="torch CPU threads")
     p.add_argument("--cache-dir", default=None, help="converted-model cache (default $FAIRSHARE_CACHE_DIR or ~/.cache/fairshare)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics over HTTP on this port (default 0: off)")
     p.add_argument("--metrics-host", default=None, help="address of the metrics server (default: --host)")
-    p.add_argument("--metrics-max-tenants", type=int, default=64,
+    p.add_argument("--metrics-max-tenants", type=_positive(int), default=64,
                    help="distinct tenant labels in metrics; later tenants are reported as 'other' (default 64)")
     p.add_argument("--otel-exporter", choices=["none", "console", "otlp"], default=None,
                    help="where traces go: none, console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT); "
