@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from worker.cli import build_parser, main
+from tests.unit.cli_checks import assert_worker_usage_error
+from worker.cli import build_parser
 from worker.cache.options import cache_settings, load_public_prefixes
 from worker.models import load_model
 
@@ -27,11 +28,7 @@ def tiny():
     (["--cached-rate", "x"], "'x' is not a number"),
 ])
 def test_bad_cache_flags_are_argparse_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["--port", "1", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "fairshare worker: error:" in err and "Traceback" not in err
+    assert_worker_usage_error(argv, message, capsys)
 
 
 def settings(tiny, tmp_path, content, *argv):

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from worker.cli import build_parser, kv_quota_settings, main
+from tests.unit.cli_checks import assert_worker_usage_error
+from worker.cli import build_parser, kv_quota_settings
 from worker.engine.engine import EngineConfig
 
 
@@ -52,11 +53,7 @@ def test_flags_reach_the_engine_config():
     (["--kv-quota", "--kv-soft-quota", "a=0.1", "--kv-soft-quota", "a=0.2"], "'a' given twice"),
 ])
 def test_bad_values_are_argparse_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["--port", "1", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "fairshare worker: error:" in err and "Traceback" not in err
+    assert_worker_usage_error(argv, message, capsys)
 
 
 def test_bad_value_from_the_command_line_exits_2_without_traceback():

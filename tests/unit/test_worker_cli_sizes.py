@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.cli import build_parser, main
+from tests.unit.cli_checks import assert_worker_usage_error
+from worker.cli import build_parser
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -21,11 +22,7 @@ from worker.cli import build_parser, main
     (["--metrics-max-tenants", "0"], "argument --metrics-max-tenants"),
 ])
 def test_bad_sizes_are_argparse_errors(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["--port", "1", *argv])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err and "fairshare worker: error:" in err and "Traceback" not in err
+    assert_worker_usage_error(argv, message, capsys)
 
 
 def test_good_sizes_parse_to_numbers():
