@@ -177,7 +177,25 @@ def _safe(f) -> bool:
 
 # -- gateways --------------------------------------------------------------------------------------------
 
-class InProcessGateway:
+class _TenantClients:
+    """What both gateway handles give a test: an official openai client or bearer headers for a
+    tenant (needs `base_url` and `keys`: tenant -> API key)."""
+
+    base_url: str
+    keys: dict[str, str]
+
+    def client(self, tenant: str, **kw):
+        import openai
+
+        kw.setdefault("max_retries", 0)
+        kw.setdefault("timeout", 60.0)
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.keys[tenant], **kw)
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.keys[tenant]}"}
+
+
+class InProcessGateway(_TenantClients):
     """The gateway app under uvicorn in a thread of the test process (its internals are inspectable)."""
 
     def __init__(self, d: Path, tenants: list[dict], workers: list[str], redis_url: str, **overrides) -> None:
@@ -202,16 +220,6 @@ class InProcessGateway:
         wait_ready(self.base_url, timeout_s)
         return self
 
-    def client(self, tenant: str, **kw):
-        import openai
-
-        kw.setdefault("max_retries", 0)
-        kw.setdefault("timeout", 60.0)
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.keys[tenant], **kw)
-
-    def headers(self, tenant: str) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.keys[tenant]}"}
-
     def held_lease_ids(self) -> set[str]:
         """Lease ids this gateway holds for running requests (Redis-held and local)."""
         return set(dict(self.gw.control.live))
@@ -220,7 +228,7 @@ class InProcessGateway:
         self.server.stop()
 
 
-class GatewayProcess:
+class GatewayProcess(_TenantClients):
     """`python -m fairshare.cli gateway ...` as a subprocess (its own process group), logging to a file."""
 
     def __init__(self, d: Path, tenants: list[dict] | None, workers: list[str], redis_url: str, *args: str,
@@ -245,16 +253,6 @@ class GatewayProcess:
     def wait_ready(self, timeout_s: float = 60.0) -> "GatewayProcess":
         wait_ready(self.base_url, timeout_s, self.proc)
         return self
-
-    def client(self, tenant: str, **kw):
-        import openai
-
-        kw.setdefault("max_retries", 0)
-        kw.setdefault("timeout", 60.0)
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.keys[tenant], **kw)
-
-    def headers(self, tenant: str) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.keys[tenant]}"}
 
     def kill(self) -> None:
         """SIGKILL (no cleanup of any kind)."""
