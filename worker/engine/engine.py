@@ -49,7 +49,10 @@ class EngineConfig:
     size. prefill_slice: tokens per policy pick when the prefill budget is split among tenants.
     max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
     admitted sequences. block_size: tokens per KV block. num_kv_blocks: pool size (None: from
-    kv_cache_mb). max_model_len: context limit (None: the model's).
+    kv_cache_mb, and without it from max_running and the context: `plan_kv_pool` in
+    worker/engine/model_runner.py). max_model_len: context limit (None: the model's).
+    dtype / quantization: the runner's activation dtype and weight format ("auto": as the
+    checkpoint ships; worker/engine/weights.py).
     returning_preemption: a tenant returning below its slot share gets a running slot at once,
     preempting an over-share tenant (worker/scheduling/returning.py; never under FCFS).
     kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
@@ -79,9 +82,11 @@ class EngineConfig:
     max_running: int = 64
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_mb: float = 1024.0
+    kv_cache_mb: float | None = None
     max_model_len: int | None = None
     device: str = "cpu"
+    dtype: str = "auto"
+    quantization: str = "auto"
     returning_preemption: bool = True
     kv_quota: bool = False
     kv_watermark: float = 0.8
@@ -142,19 +147,24 @@ class Engine:
     def __init__(self, model, config: EngineConfig | None = None, runner=None, *, clock=None, recorder=None) -> None:
         self.model = model
         self.config = config or EngineConfig()
+        self.kv_plan = None  # how the default KV pool was sized (worker.engine.model_runner.KVPoolPlan)
         if runner is None:
             import torch
 
             from worker.engine.model_runner import ModelRunner
 
-            num_blocks = self.config.num_kv_blocks
+            from worker.engine.model_runner import plan_kv_pool
+            from worker.engine.weights import resolve_format
+
+            c = self.config
+            fmt = resolve_format(model.state_dict, torch.device(c.device), c.dtype, c.quantization)
+            num_blocks = c.num_kv_blocks
             if num_blocks is None:
-                # the runner's default dtype: bf16 on CUDA, fp32 on CPU
-                kv_dtype = torch.bfloat16 if str(self.config.device).startswith("cuda") else torch.float32
-                per_block = ModelRunner.kv_bytes_per_block(model, self.config.block_size, kv_dtype)
-                num_blocks = max(1, int(self.config.kv_cache_mb * 2**20 // per_block))
-            runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=self.config.block_size,
-                                 device=self.config.device)
+                self.kv_plan = plan_kv_pool(model, c.block_size, fmt.dtype, c.max_running, c.max_model_len,
+                                            c.kv_cache_mb)
+                num_blocks = self.kv_plan.num_blocks
+            runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=c.block_size, device=c.device,
+                                 dtype=fmt.dtype, quantization=fmt.quantization)
         self.runner = runner
         self.clock = clock or time.monotonic
         self.recorder = recorder

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ForwardItem", "ModelRunner"]
+from worker.engine.weights import make_embedding, make_linear, resolve_format, weight_bytes
+
+__all__ = ["ForwardItem", "ModelRunner", "KVPoolPlan", "plan_kv_pool"]
 
 
 @dataclass
@@ -73,68 +75,100 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     raise NotImplementedError(f"rope scaling {kind!r} is not implemented (default, linear, llama3 are)")
 
 
-def _onednn_usable() -> bool:
-    if os.environ.get("FAIRSHARE_ONEDNN", "1") == "0":
-        return False
-    ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
-            and hasattr(ops, "_linear_pointwise"))
-
-
-class _Linear:
-    """y = x @ W.T + b for x [T, in].
-
-    On CPU in fp32 the weight is also packed ONCE into oneDNN's blocked layout (as torch.compile's
-    CPU weight prepacking does), used when T >= 2: MKL's `F.linear` re-packs the whole weight on
-    every small-batch call, and measured here (AVX2 EPYC, 1 thread, SmolLM2 decode step) the packed
-    path is 1.2-1.6x faster at 2-32 rows. At T == 1 (a GEMV) the plain weight streams faster, so it
-    is kept as well (this doubles weight memory on CPU). Elsewhere: plain `F.linear`.
-    """
-
-    __slots__ = ("weight", "bias", "packed")
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> None:
-        self.weight, self.bias, self.packed = weight, bias, None
-        if prepack:
-            try:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
-                probe = torch.linspace(-1, 1, 3 * weight.shape[1], dtype=weight.dtype).view(3, -1)
-                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
-                if torch.allclose(got, F.linear(probe, weight, bias), atol=1e-3, rtol=1e-3):
-                    self.packed = packed
-            except (RuntimeError, NotImplementedError):  # pragma: no cover - builds without oneDNN ops
-                pass
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
 class _Layer:
-    """Weights of one decoder layer: norms, and fused projections qkv [(H+2K)*D -> hidden],
-    o, gate_up [2I <- hidden], down."""
+    """Weights of one decoder layer: norms (fp32), and linear layers in the runner's format:
+    qkv [(H+2K)*D <- hidden] (q, k, v fused once), o, gate_up [2I <- hidden], down."""
 
     __slots__ = ("ln1", "qkv", "o", "ln2", "gate_up", "down")
+
+
+def _available_memory_bytes() -> int:
+    """Memory this process may use: the cgroup v2/v1 limit when one is set, else physical RAM."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path, encoding="ascii").read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            return int(text)
+    return total
+
+
+@dataclass(frozen=True)
+class KVPoolPlan:
+    """A KV pool size: `num_blocks` blocks of `block_size` tokens, `bytes` in all (see `plan_kv_pool`)."""
+
+    num_blocks: int
+    block_size: int
+    bytes: int
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        return (f"KV pool {self.bytes / 2**20:,.0f} MiB ({self.num_blocks:,} blocks x {self.block_size} tokens = "
+                f"{self.tokens:,} tokens, {str(self.dtype).replace('torch.', '')}; {self.reason}; "
+                f"allocated lazily: pages become resident as blocks are first written)")
+
+
+KV_MEMORY_FRACTION = 0.25  # default cap of the KV pool: this share of the memory the process may use
+
+
+def plan_kv_pool(model, block_size: int, dtype: torch.dtype, max_running: int, max_model_len: int | None,
+                 kv_cache_mb: float | None = None, memory_bytes: int | None = None) -> KVPoolPlan:
+    """Size the KV pool. With `kv_cache_mb`: that many MiB. Otherwise (the default) room for
+    `max_running` sequences of the full context (`max_model_len`, default the model's): more can
+    never be used at once. That is capped at KV_MEMORY_FRACTION of `memory_bytes` (default: the
+    cgroup limit or physical RAM), but never below one full-context sequence.
+    Raises ValueError on sizes < 1."""
+    if block_size < 1 or max_running < 1:
+        raise ValueError("block_size and max_running must be >= 1")
+    per_block = ModelRunner.kv_bytes_per_block(model, block_size, dtype)
+    context = int(max_model_len or model.max_context_tokens)
+    if kv_cache_mb is not None:
+        blocks = max(1, int(kv_cache_mb * 2**20 // per_block))
+        reason = f"--kv-cache-mb {kv_cache_mb:g}"
+    else:
+        per_seq = -(-context // block_size)
+        want = max_running * per_seq
+        memory = memory_bytes or _available_memory_bytes()
+        cap = max(per_seq, int(memory * KV_MEMORY_FRACTION // per_block))
+        blocks = min(want, cap)
+        reason = (f"{max_running} running x {context:,} tokens" if blocks == want else
+                  f"{max_running} running x {context:,} tokens capped at {KV_MEMORY_FRACTION:.0%} of "
+                  f"{memory / 2**30:.1f} GiB memory")
+    return KVPoolPlan(blocks, block_size, blocks * per_block, dtype, reason)
 
 
 class ModelRunner:
     """Runs a `worker.models.LoadedModel` over a paged KV cache.
 
     KV cache: one tensor [num_layers, 2 (k, v), num_kv_blocks, block_size, num_kv_heads, head_dim]
-    in `dtype`, allocated at construction. device: "cpu" or "cuda[:n]". dtype: weights, activations
-    and cache; default float32 on CPU and bfloat16 on CUDA. Logits are always returned as float32.
+    in the activation dtype, allocated with `torch.empty` (pages become resident as blocks are first
+    written); no position is ever read before it is written (see `_decode_slots`), so its initial
+    contents never matter. device: "cpu" or "cuda[:n]". dtype / quantization: see
+    `worker.engine.weights.resolve_format` ("auto": the checkpoint's own format: int4 weights with
+    bf16 activations for the default GGUF model; fp32 for a dense fp32 checkpoint on CPU; bf16 on
+    CUDA). A torch.dtype for `dtype` is accepted too. Logits are always returned as float32.
+    Raises ValueError on bad sizes, a model without weights, or an unsupported format.
     Not thread-safe: one forward at a time.
     """
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, device: str = "cpu",
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: str | torch.dtype | None = "auto", quantization: str | None = "auto") -> None:
         if num_kv_blocks < 1 or block_size < 1:
             raise ValueError("num_kv_blocks and block_size must be >= 1")
         if not model.state_dict:
             raise ValueError(f"model {model.name!r} was loaded without weights")
         self.device = torch.device(device)
-        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        sd = model.state_dict
+        self.format = resolve_format(sd, self.device, dtype, quantization)
+        self.dtype = self.format.dtype
+        self.quantization = self.format.quantization
         cfg = model.config
         self.config = cfg
         self.block_size = int(block_size)
@@ -145,75 +179,73 @@ class ModelRunner:
         self.eps = cfg.rms_norm_eps
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.max_positions = int(model.max_context_tokens)
+        fmt, dev = self.format, self.device
 
-        sd = model.state_dict
+        def norm(name: str) -> torch.Tensor:
+            return sd[name].to(device=dev, dtype=torch.float32)
 
-        def w(name: str) -> torch.Tensor:
-            return sd[name].to(device=self.device, dtype=self.dtype)
-
-        def opt(name: str) -> torch.Tensor | None:
-            return w(name) if name in sd else None
-
-        def cat(names: list[str]) -> torch.Tensor | None:
-            if not any(n in sd for n in names):
-                return None
-            parts = [w(n) if n in sd else torch.zeros(sd[n.replace(".bias", ".weight")].shape[0],
-                                                       device=self.device, dtype=self.dtype) for n in names]
-            return torch.cat(parts, 0).contiguous()
+        def linear(names: list[str]):
+            return make_linear([sd[n + ".weight"] for n in names], [sd.get(n + ".bias") for n in names], fmt, dev)
 
         with torch.inference_mode():
-            pack = self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_usable()
-            self.embed = w("model.embed_tokens.weight")
-            head = self.embed if "lm_head.weight" not in sd else w("lm_head.weight")
-            self.lm_head = _Linear(head, None, pack)
-            self.norm = w("model.norm.weight")
+            self.embed, self.lm_head = make_embedding(sd["model.embed_tokens.weight"], sd.get("lm_head.weight"), fmt, dev)
+            self.norm = norm("model.norm.weight")
             self.layers: list[_Layer] = []
             for i in range(cfg.num_layers):
                 p = f"model.layers.{i}."
                 a, m = p + "self_attn.", p + "mlp."
                 layer = _Layer()
-                layer.ln1 = w(p + "input_layernorm.weight")
-                layer.ln2 = w(p + "post_attention_layernorm.weight")
-                layer.qkv = _Linear(cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
-                                    cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]), pack)
-                layer.o = _Linear(w(a + "o_proj.weight"), opt(a + "o_proj.bias"), pack)
-                layer.gate_up = _Linear(cat([m + "gate_proj.weight", m + "up_proj.weight"]),
-                                        cat([m + "gate_proj.bias", m + "up_proj.bias"]), pack)
-                layer.down = _Linear(w(m + "down_proj.weight"), opt(m + "down_proj.bias"), pack)
+                layer.ln1 = norm(p + "input_layernorm.weight")
+                layer.ln2 = norm(p + "post_attention_layernorm.weight")
+                layer.qkv = linear([a + "q_proj", a + "k_proj", a + "v_proj"])
+                layer.o = linear([a + "o_proj"])
+                layer.gate_up = linear([m + "gate_proj", m + "up_proj"])
+                layer.down = linear([m + "down_proj"])
                 self.layers.append(layer)
-            self.onednn = self.lm_head.packed is not None
             inv = rope_inv_freq(self.head_dim, cfg.rope_theta, cfg.rope_scaling)
             freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv[None, :]
-            emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]: HF "rotate half" layout
-            self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
-            self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
+            half = self.head_dim // 2
+            # HF "rotate half" layout: rotate_half(x) * sin == x.roll(half) * [-sin, sin] (halves)
+            self.cos = torch.cat([freqs, freqs], dim=-1).cos().to(device=dev, dtype=self.dtype)
+            sin = freqs.sin()
+            self.sin_signed = torch.cat([-sin, sin], dim=-1).to(device=dev, dtype=self.dtype)
+            self._half = half
         # a normal tensor (not an inference tensor), so callers may also copy/clear blocks
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
-                                    self.num_kv_heads, self.head_dim, device=self.device, dtype=self.dtype)
+        self.kv_cache = torch.empty(cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
+                                    self.num_kv_heads, self.head_dim, device=dev, dtype=self.dtype)
+        # per-layer [slots, K, D] views of the pool, made once (not per step)
+        self._kv_views = [(self.kv_cache[li, 0].view(-1, self.num_kv_heads, self.head_dim),
+                           self.kv_cache[li, 1].view(-1, self.num_kv_heads, self.head_dim))
+                          for li in range(cfg.num_layers)]
         self.intermediate = cfg.intermediate_size
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.weight_bytes = sum(weight_bytes(lin) for layer in self.layers
+                                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.weight_bytes += weight_bytes(self.lm_head)
+        self.resident_weight_bytes = self.weight_bytes + self.embed.nbytes
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV pool (virtual: resident only where blocks were written)."""
+        return self.kv_cache.numel() * self.kv_cache.element_size()
 
     @staticmethod
     def kv_bytes_per_block(model, block_size: int, dtype: torch.dtype | None) -> int:
-        """Bytes one KV block takes across all layers (K and V). dtype None means float32 (the CPU
-        default; an upper bound for bfloat16 on CUDA)."""
+        """Bytes one KV block takes across all layers (K and V). dtype None means float32."""
         cfg = model.config
         elem = torch.empty((), dtype=dtype or torch.float32).element_size()
         return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     # ------------------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm (Zhang & Sennrich 2019), computed in fp32 as HF Llama does."""
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        """RMSNorm (Zhang & Sennrich 2019) of the fp32 residual stream, cast to the activation dtype."""
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps).to(self.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by position (Su et al. 2021): x*cos + rotate_half(x)*sin."""
-        half = self.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by position (Su et al. 2021): x*cos + rotate_half(x)*sin, with
+        rotate_half(x)*sin computed as x.roll(D/2)*[-sin, sin] (one op fewer than a cat of halves)."""
+        return torch.addcmul(x * cos, x.roll(self._half, -1), sin_signed)
 
     def _validate(self, items: list[ForwardItem]) -> None:
         """Cheap host-side checks, so a bad item raises ValueError instead of a device-side assert."""
@@ -229,8 +261,8 @@ class ModelRunner:
                 raise ValueError(f"block_table of {len(it.block_table)} blocks cannot hold {end} positions")
             if min(used) < 0 or max(used) >= self.num_kv_blocks:
                 raise ValueError(f"block ids must be in [0, {self.num_kv_blocks})")
-            if min(it.token_ids) < 0 or max(it.token_ids) >= self.embed.shape[0]:
-                raise ValueError(f"token ids must be in [0, {self.embed.shape[0]})")
+            if min(it.token_ids) < 0 or max(it.token_ids) >= self.embed.num_embeddings:
+                raise ValueError(f"token ids must be in [0, {self.embed.num_embeddings})")
 
     def forward(self, items: list[ForwardItem]) -> torch.Tensor:
         """Compute the items' tokens, write their K/V into the paged cache and return the float32
@@ -246,6 +278,28 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self._forward(items)
         return logits.clone()  # a normal tensor: callers may modify it in place outside inference mode
+
+    def _decode_slots(self, dec: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pool slots [B * Lmax] the batched decode attention reads, and its mask [B, 1, 1, Lmax]
+        (None when all B sequences have the same length).
+
+        Padding positions of a shorter sequence (p >= its length) are pointed at that sequence's own
+        last position, which this step has just written: so every slot read holds K/V written by
+        this or an earlier step, and the pool's initial contents (torch.empty) are never read, not
+        even under the mask (a NaN there would survive masking: NaN * 0 is NaN)."""
+        dev, bs = self.device, self.block_size
+        lens = [it.start_pos + 1 for it in dec]
+        lmax = max(lens)
+        nblk = -(-lmax // bs)
+        bt = torch.tensor([it.block_table[:nblk] + [0] * (nblk - min(nblk, len(it.block_table))) for it in dec],
+                          dtype=torch.long, device=dev)  # [B, nblk]
+        p = torch.arange(lmax, device=dev)
+        if min(lens) == lmax:
+            return (bt[:, p // bs] * bs + p % bs).flatten(), None
+        last = torch.tensor(lens, device=dev)[:, None] - 1
+        pc = torch.minimum(p[None, :], last)  # [B, Lmax]
+        slots = (bt.gather(1, pc // bs) * bs + pc % bs).flatten()
+        return slots, (p[None, :] <= last)[:, None, None, :]
 
     def _forward(self, items: list[ForwardItem]) -> torch.Tensor:
         dev, bs = self.device, self.block_size
@@ -274,28 +328,20 @@ class ModelRunner:
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         slots_t = torch.tensor(slots, dtype=torch.long, device=dev)
         cos = self.cos.index_select(0, pos_t).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin.index_select(0, pos_t).unsqueeze(1)
+        sin = self.sin_signed.index_select(0, pos_t).unsqueeze(1)
 
         # ---- attention plan (shared by all layers) ----
         B = len(dec)
         dec_idx = dec_mask = None
         if B:
-            lens = [it.start_pos + 1 for it in dec]
-            lmax = max(lens)
-            nblk = (lmax + bs - 1) // bs
-            bt = torch.tensor([it.block_table[:nblk] + [0] * (nblk - min(nblk, len(it.block_table))) for it in dec],
-                              dtype=torch.long, device=dev)  # [B, nblk]
-            p = torch.arange(lmax, device=dev)
-            dec_idx = (bt[:, p // bs] * bs + p % bs).flatten()  # [B*Lmax] pool slots (padding -> block 0, masked)
-            if min(lens) < lmax:
-                dec_mask = (p[None, :] < torch.tensor(lens, device=dev)[:, None])[:, None, None, :]  # [B,1,1,L]
+            dec_idx, dec_mask = self._decode_slots(dec)
         pre_plan = []  # (first row, n, pool slots of positions [0, end) or None, mask or None)
         row = B
         for it in pre:
             n, s = len(it.token_ids), it.start_pos
             if s == 0:  # a whole prompt / first chunk: attend within the chunk, causal
                 pre_plan.append((row, n, None, None))
-            else:       # a later chunk: read the earlier positions from the pool
+            else:       # a later chunk: read the earlier positions (all written) from the pool
                 end = s + n
                 nblk = (end + bs - 1) // bs
                 bt = torch.tensor(it.block_table[:nblk], dtype=torch.long, device=dev)
@@ -304,17 +350,15 @@ class ModelRunner:
                 pre_plan.append((row, n, bt[p // bs] * bs + p % bs, mask))
             row += n
 
-        x = self.embed.index_select(0, ids_t)  # [T, hidden]
+        x = self.embed.rows(ids_t)  # [T, hidden], fp32 residual stream
         T = x.shape[0]
         qk_end = self.q_size + self.kv_size
         for li, layer in enumerate(self.layers):
-            h = self._rms(x, layer.ln1)
-            qkv = layer.qkv(h)
+            qkv = layer.qkv(self._rms(x, layer.ln1))
             qk = self._rope(qkv[:, :qk_end].view(T, H + K, D), cos, sin)
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, qk_end:].view(T, K, D)
-            kc = self.kv_cache[li, 0].view(-1, K, D)
-            vc = self.kv_cache[li, 1].view(-1, K, D)
+            kc, vc = self._kv_views[li]
             kc.index_copy_(0, slots_t, k)
             vc.index_copy_(0, slots_t, v)
 
@@ -341,11 +385,10 @@ class ModelRunner:
                                                         enable_gqa=G > 1)
                 outs.append(op[0].transpose(0, 1).reshape(n, H * D))
             attn = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
-            x = x + layer.o(attn)
+            x.add_(layer.o(attn))  # x is this step's own fp32 residual stream
 
-            h = self._rms(x, layer.ln2)
-            gu = layer.gate_up(h)
-            x = x + layer.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate:])
+            gu = layer.gate_up(self._rms(x, layer.ln2))
+            x.add_(layer.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate:])))
 
         last = x.index_select(0, rows_out)
         return self.lm_head(self._rms(last, self.norm)).float()

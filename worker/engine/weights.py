@@ -1,0 +1,301 @@
+"""Weight formats of the reference runner and the linear layers over them.
+
+`dtype` is the activation and KV-cache dtype; `quantization` the format of the linear layers'
+weights. Each weight is held ONCE, in the format its kernel reads (fused q/k/v and gate/up
+projections are built once in that format; nothing else is kept beside them):
+
+| quantization | weight bytes / parameter | layout | kernel |
+|---|---:|---|---|
+| none, float32 | 4 | oneDNN-prepacked on CPU (as torch.compile's CPU weight prepacking), plain on CUDA | `mkldnn._linear_pointwise` / `F.linear` |
+| none, bfloat16 | 2 | same | same |
+| int8 | 1 + 2 per row | int8, one symmetric scale per output row | `aten._weight_int8pack_mm` |
+| int4 | 0.5 + 4 / 32 | 4-bit codes, groups of 32 inputs with a scale and a zero each | `aten._weight_int4pack_mm_for_cpu` |
+
+The quantized kernels are weight-only: activations stay bfloat16 (these kernels have no fast
+float32 path: measured here 20-100x slower), products accumulate in fp32.
+
+int4 follows the "tinygemm" convention of those kernels, w = (q - 8) * scale + zero, q in 0..15.
+GGUF Q4_1 blocks (32 weights, w = d * q + m; ggml-org/ggml `block_q4_1`) map onto it exactly
+with scale = d and zero = m + 8 d, so the default model's 4-bit weights are repacked, not
+re-quantized (d and m are stored as bfloat16: a relative change of at most 2^-9 per scale).
+Dense or other sources are quantized by round-to-nearest: int4 per group of 32 from the group's
+min and max, int8 per row from the row's largest magnitude (Dettmers et al. 2022,
+"LLM.int8()", absmax quantization; Frantar et al. 2022, GPTQ, for the group-wise int4 layout).
+
+The tied embedding / LM head of a quantized model is one int8 table: rows are gathered and scaled
+for the embedding, and the same table is the LM head's int8 weight. A dense model keeps its
+embedding plain (rows are gathered) and, on CPU, a prepacked copy for the LM head: a packed layout
+cannot be gathered, and the plain GEMV is 2-3x slower (measured: 49,152 x 576 bf16 at 1 row,
+3.3 ms plain vs 1.5 ms packed).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["WeightFormat", "resolve_format", "make_linear", "Embedding", "make_embedding",
+           "QUANTIZATIONS", "DTYPES", "cpu_has_bf16", "weight_bytes"]
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+DTYPES = ("auto", "float32", "bfloat16")
+GROUP = 32  # int4 group size along the input dimension (= GGUF's block size)
+
+
+class WeightFormat(NamedTuple):
+    """Resolved format: `dtype` of activations and KV cache; `quantization` "none", "int8" or "int4"."""
+
+    dtype: torch.dtype
+    quantization: str
+
+    def describe(self) -> str:
+        d = str(self.dtype).replace("torch.", "")
+        return d if self.quantization == "none" else f"{self.quantization} weights, {d} activations"
+
+
+def cpu_has_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively (AVX512-BF16 or AMX), per /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def _source_quantization(state_dict) -> str:
+    """The format a checkpoint ships in: int4 for 4-bit blocks, int8 for 8-bit blocks, else none."""
+    kinds = {getattr(v, "kind", None) for v in state_dict.values()}
+    if "q4_1" in kinds:
+        return "int4"
+    if "q8_0" in kinds:
+        return "int8"
+    return "none"
+
+
+def resolve_format(state_dict, device: torch.device, dtype: str | torch.dtype | None = "auto",
+                   quantization: str | None = "auto") -> WeightFormat:
+    """Pick the format. `quantization="auto"` runs the weights as the checkpoint ships them (GGUF
+    4-bit blocks -> int4, 8-bit -> int8, dense -> none): never less precise than the file, and the
+    fewest bytes per token. `dtype="auto"`: bfloat16 on CUDA and with quantized weights (the CPU kernels
+    take bf16 activations), and for bf16-stored weights on a CPU with native bf16; float32 otherwise. On CUDA only "none" is offered
+    (the int4/int8 kernels used here are CPU kernels). dtype=None means "auto".
+
+    Raises ValueError for an unknown name, a quantization on CUDA, or int8/int4 with float32
+    activations (those kernels need bfloat16).
+    """
+    quantization = quantization or "auto"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    on_cuda = device.type == "cuda"
+    if quantization == "auto":
+        quantization = "none" if on_cuda else _source_quantization(state_dict)
+    if on_cuda and quantization != "none":
+        raise ValueError(f"--quantization {quantization} uses CPU kernels; on CUDA use --quantization none")
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        name = dtype or "auto"
+        if name not in DTYPES:
+            raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+        if name == "auto":
+            stored_bf16 = any(getattr(v, "dtype", None) == torch.bfloat16 for v in state_dict.values())
+            name = ("bfloat16" if on_cuda or quantization != "none" or (stored_bf16 and cpu_has_bf16())
+                    else "float32")
+        resolved = getattr(torch, name)
+    if quantization != "none" and resolved != torch.bfloat16:
+        raise ValueError(f"--quantization {quantization} needs --dtype bfloat16 (its CPU kernel has no fast "
+                         f"float32 path)")
+    return WeightFormat(resolved, quantization)
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear layers
+# ---------------------------------------------------------------------------------------------
+def _onednn_usable() -> bool:
+    if os.environ.get("FAIRSHARE_ONEDNN", "1") == "0":
+        return False
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise"))
+
+
+class DenseLinear:
+    """y = x @ W.T + b, x [T, in] in the weight's dtype. On CPU the weight is held only in oneDNN's
+    blocked layout (packed once; `mkldnn._linear_pointwise`), measured 1.2-3x faster than MKL's
+    `F.linear`, which re-packs the whole weight on every small-batch call; elsewhere plain."""
+
+    __slots__ = ("weight", "bias", "packed", "out_features")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias, self.packed = weight, bias, False
+        self.out_features = weight.shape[0]
+        if weight.device.type == "cpu" and _onednn_usable():
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
+                probe = torch.linspace(-1, 1, 3 * weight.shape[1], dtype=weight.dtype).view(3, -1)
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
+                tol = 1e-3 if weight.dtype == torch.float32 else 3e-2
+                if torch.allclose(got.float(), F.linear(probe, weight, bias).float(), atol=tol, rtol=tol):
+                    self.weight, self.packed = packed, True
+            except (RuntimeError, NotImplementedError):  # pragma: no cover - builds without these ops
+                pass
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size() + _nbytes(self.bias)
+
+
+class Int8Linear:
+    """y = (x @ q.T) * scale + b: q int8 [out, in], scale bf16 [out]; x bf16 [T, in]."""
+
+    __slots__ = ("q", "scale", "bias", "out_features")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.q, self.scale, self.bias = q.contiguous(), scale.to(torch.bfloat16).contiguous(), bias
+        self.out_features = q.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + _nbytes(self.scale) + _nbytes(self.bias)
+
+
+class Int4Linear:
+    """y = x @ W.T + b with W [out, in] held as 4-bit codes packed by
+    `aten._convert_weight_to_int4pack_for_cpu` and `scale_zeros` bf16 [in / 32, out, 2];
+    W[n, k] = (q[n, k] - 8) * scale[k // 32, n] + zero[k // 32, n]. x bf16 [T, in]."""
+
+    __slots__ = ("packed", "scale_zeros", "bias", "out_features")
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        """codes: [out, in] integers 0..15; scale, zero: [out, in / 32] (any float dtype)."""
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        self.scale_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.bias = bias
+        self.out_features = codes.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.scale_zeros) + _nbytes(self.bias)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _dense(w, dtype: torch.dtype) -> torch.Tensor:
+    """A source weight (tensor or `worker.models.BlockQuantized`) as a dense tensor of `dtype`."""
+    if isinstance(w, torch.Tensor):
+        return w.to(dtype)
+    return w.dequantize(torch.float32).to(dtype)
+
+
+def _int4_parts(w) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes 0..15 [out, in], scale [out, in/32], zero [out, in/32]) in the tinygemm convention.
+
+    Q4_1 blocks of 32 map exactly (scale = d, zero = m + 8 d); anything else is quantized by
+    round-to-nearest per group of 32 from the group's min and max."""
+    if getattr(w, "kind", None) == "q4_1" and w.group_size == GROUP:
+        scale, minimum = w.scale.float(), w.minimum.float()
+        return w.codes(), scale, minimum + 8 * scale
+    dense = _dense(w, torch.float32)
+    out, k = dense.shape
+    if k % GROUP:
+        raise ValueError(f"int4 needs the input size ({k}) to be a multiple of {GROUP}")
+    g = dense.view(out, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).view(out, k)
+    return codes, scale, lo + 8 * scale
+
+
+def _int8_parts(w) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [out, in], scale [out]): symmetric absmax per output row."""
+    dense = _dense(w, torch.float32)
+    scale = (dense.abs().amax(-1) / 127).clamp_min(1e-12)
+    return torch.round(dense / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int4_shape_ok(out_features: int, in_features: int) -> bool:
+    """Whether the CPU int4 kernel takes this shape (it needs out % 16 == 0 and in % 32 == 0)."""
+    return out_features % 16 == 0 and in_features % GROUP == 0
+
+
+def make_linear(parts: list, biases: list, fmt: WeightFormat, device: torch.device):
+    """One linear layer whose output rows are `parts` stacked in order (e.g. q, k, v), built once
+    in `fmt`. parts: source weights [out_i, in] (tensors or BlockQuantized); biases: a tensor or
+    None per part (a missing bias of a biased layer counts as zeros). Returns a callable x -> y.
+    An int4 layer whose shape the int4 kernel cannot take (`int4_shape_ok`) is built as int8."""
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b if b is not None else torch.zeros(p.shape[0]) for p, b in zip(parts, biases)])
+        bias = bias.to(device=device, dtype=fmt.dtype)
+    quantization = fmt.quantization
+    if quantization == "int4" and not int4_shape_ok(sum(p.shape[0] for p in parts), parts[0].shape[1]):
+        quantization = "int8"  # the int4 kernel's shape limits; int8 has none
+    if quantization == "int4":
+        codes, scale, zero = zip(*(_int4_parts(p) for p in parts))
+        return Int4Linear(torch.cat(codes), torch.cat(scale), torch.cat(zero), bias)
+    if quantization == "int8":
+        qs, scales = zip(*(_int8_parts(p) for p in parts))
+        return Int8Linear(torch.cat(qs), torch.cat(scales), bias)
+    weight = torch.cat([_dense(p, fmt.dtype) for p in parts]) if len(parts) > 1 else _dense(parts[0], fmt.dtype)
+    return DenseLinear(weight.to(device).contiguous(), bias)
+
+
+class Embedding:
+    """Token embedding rows, gathered from the source's own format: GGUF blocks (dequantized per
+    gathered row, exactly as the file defines them) or a dense table. `rows(ids)` -> [T, hidden]
+    float32 (the residual stream's dtype)."""
+
+    def __init__(self, source) -> None:
+        self.source = source  # BlockQuantized [V, H] or a dense tensor [V, H]
+        self.num_embeddings = source.shape[0]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.source, torch.Tensor):
+            return self.source.index_select(0, ids).float()
+        return self.source.take_rows(ids).dequantize(torch.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.source) if isinstance(self.source, torch.Tensor) else int(self.source.nbytes)
+
+
+def make_embedding(embed, head, fmt: WeightFormat, device: torch.device):
+    """(Embedding, LM head). embed: the source embedding [V, H]; head: the source LM head, or None
+    when tied to the embedding.
+
+    The embedding keeps the source's format (GGUF blocks stay blocks; a dense table is cast to
+    the activation dtype). The LM head is dense in the activation dtype, packed on CPU, in every
+    format: measured on this CPU (49,152 x 576, 1 thread) bf16 packed takes 1.5 / 2.6 / 5.5 ms at
+    1 / 8 / 32 rows against 1.6 / 3.7 / 15.5 ms for the int8 kernel, and it rounds each weight
+    (2^-9 relative) instead of re-quantizing whole rows. A tied head is therefore a second layout
+    of the embedding (a packed layout cannot be gathered)."""
+    if isinstance(embed, torch.Tensor):
+        embed = embed.to(device=device, dtype=fmt.dtype).contiguous()
+    emb = Embedding(embed)
+    weight = _dense(embed if head is None else head, fmt.dtype).to(device).contiguous()
+    return emb, DenseLinear(weight, None)
+
+
+def weight_bytes(layer) -> int:
+    """Bytes a layer's weights take (what one forward step reads once)."""
+    return int(layer.nbytes)
