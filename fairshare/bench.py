@@ -71,6 +71,7 @@ def _ours(params: dict) -> dict:
     """In a child process: build the engine as the worker does, run every batch size."""
     import torch
 
+    from worker.cli import release_freed_memory
     from worker.engine.engine import Engine, EngineConfig
     from worker.models import load_model
 
@@ -81,6 +82,7 @@ def _ours(params: dict) -> dict:
                                         quantization=params["quantization"],
                                         max_model_len=params["prompt_len"] + params["new_tokens"] + 16))
     model.release_weights()
+    release_freed_memory()
     runner = engine.runner
     out = {"format": runner.format.describe(), "weight_bytes": runner.weight_bytes,
            "resident_weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
@@ -100,6 +102,8 @@ def _llama_cpp(params: dict) -> dict:
 
     from worker.models import smollm2_gguf_path
 
+    quiet = L.ggml_log_callback(lambda level, text, user_data: None)  # llama.cpp logs every load to stderr
+    L.llama_log_set(quiet, ctypes.c_void_p())
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
     model = L.llama_model_load_from_file(str(smollm2_gguf_path()).encode(), mparams)
@@ -148,7 +152,6 @@ def _llama_cpp(params: dict) -> dict:
         L.llama_free(ctx)
         return generated / elapsed, steps
 
-    del ctypes
     run(1, 4)  # warm-up
     for b in params["batches"]:
         out["results"][b] = run(b, n_new)

@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-__all__ = ["convert_gguf", "write_tokenizer", "gguf_tensor", "gguf_pre_tokenizer", "GGUF_TO_HF"]
+__all__ = ["convert_gguf", "write_config", "write_tokenizer", "gguf_tensor", "gguf_pre_tokenizer", "GGUF_TO_HF"]
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -89,8 +89,9 @@ def _unpermute_rows(w, n_head: int):
     return w.take_rows(index) if hasattr(w, "take_rows") else w[index].contiguous()
 
 
-def _hf_config(gguf_path: Path) -> dict:
-    """config.json contents built by transformers from the GGUF metadata."""
+def write_config(gguf_path: Path, out: Path) -> dict:
+    """config.json and generation_config.json as transformers builds them from the GGUF metadata
+    (`AutoConfig.from_pretrained(dir, gguf_file=...)`); returns the config dict."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -99,6 +100,9 @@ def _hf_config(gguf_path: Path) -> dict:
     for key in ("_name_or_path", "_model_name_or_path", "transformers_version"):
         d.pop(key, None)
     d["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(d["model_type"], "LlamaForCausalLM")]
+    (out / "config.json").write_text(json.dumps(d, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {k: d.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, indent=2))
     return d
 
 
@@ -111,8 +115,7 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
 
     from worker.models import ModelConfig
 
-    hf_cfg = _hf_config(gguf_path)
-    config = ModelConfig.from_hf_dict(hf_cfg)  # raises for architectures the runner lacks
+    config = ModelConfig.from_hf_dict(write_config(gguf_path, out))  # raises for architectures we lack
     reader = GGUFReader(gguf_path)
     flat = {}
     try:
@@ -132,9 +135,6 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     pre = gguf_pre_tokenizer(gguf_path, reader)
     del reader
     save_file(flat, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-    (out / "generation_config.json").write_text(json.dumps(
-        {k: hf_cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}, indent=2))
     write_tokenizer(gguf_path, out, config.max_position_embeddings, pre)
 
 

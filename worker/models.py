@@ -498,7 +498,7 @@ def smollm2_gguf_path() -> Path:
 
 
 _FULL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", MARKER)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", MARKER)
+_TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", MARKER)
 
 
 def _cache_valid(path: Path, full: bool) -> bool:
@@ -560,11 +560,13 @@ def _say(progress: bool, msg: str) -> None:
 
 
 def _extract_smollm2_tokenizer(out: Path, progress: bool) -> None:
-    from worker.gguf_cache import write_tokenizer
+    """The tokenizer and config without weights (for tokenizer-only loads and random-tiny)."""
+    from worker.gguf_cache import write_config, write_tokenizer
 
     gguf_path = smollm2_gguf_path()
     _say(progress, f"extracting the SmolLM2 tokenizer from {gguf_path.name} into {out.parent}")
-    write_tokenizer(gguf_path, out)
+    cfg = write_config(gguf_path, out)
+    write_tokenizer(gguf_path, out, int(cfg.get("max_position_embeddings") or 0) or None)
     _write_marker(out, "tokenizer", gguf_path)
 
 

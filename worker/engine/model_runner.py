@@ -276,8 +276,9 @@ class ModelRunner:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         self._validate(items)
         with torch.inference_mode():
-            logits = self._forward(items)
-        return logits.clone()  # a normal tensor: callers may modify it in place outside inference mode
+            logits = self._forward(items)  # in the activation dtype
+        # one copy, outside inference mode: a normal fp32 tensor callers may modify in place
+        return logits.to(torch.float32, copy=True)
 
     def _decode_slots(self, dec: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Pool slots [B * Lmax] the batched decode attention reads, and its mask [B, 1, 1, Lmax]
@@ -391,4 +392,4 @@ class ModelRunner:
             x.add_(layer.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate:])))
 
         last = x.index_select(0, rows_out)
-        return self.lm_head(self._rms(last, self.norm)).float()
+        return self.lm_head(self._rms(last, self.norm))

@@ -289,6 +289,8 @@ def make_embedding(embed, head, fmt: WeightFormat, device: torch.device):
     1 / 8 / 32 rows against 1.6 / 3.7 / 15.5 ms for the int8 kernel, and it rounds each weight
     (2^-9 relative) instead of re-quantizing whole rows. A tied head is therefore a second layout
     of the embedding (a packed layout cannot be gathered)."""
+    if not isinstance(embed, torch.Tensor) and device.type != "cpu":
+        embed = embed.dequantize(torch.float32)  # the block gather runs on the CPU only
     if isinstance(embed, torch.Tensor):
         embed = embed.to(device=device, dtype=fmt.dtype).contiguous()
     emb = Embedding(embed)
