@@ -102,7 +102,7 @@ def _llama_cpp(params: dict) -> dict:
 
     from worker.models import smollm2_gguf_path
 
-    quiet = L.ggml_log_callback(lambda level, text, user_data: None)  # llama.cpp logs every load to stderr
+    quiet = L.llama_log_callback(lambda level, text, user_data: None)  # llama.cpp logs every load to stderr
     L.llama_log_set(quiet, ctypes.c_void_p())
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
