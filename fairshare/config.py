@@ -173,6 +173,21 @@ class KeysFile(BaseModel):
     keys: list[KeyRecord] = Field(default_factory=list)
 
 
+def default_state_dir() -> Path:
+    """Where `fairshare up` keeps its state (tenants.yaml, tenants.keys.yaml, secret, logs):
+    ``$FAIRSHARE_STATE_DIR``; else ``./var`` in a source checkout; else ``~/.local/state/fairshare``
+    (``$XDG_STATE_HOME/fairshare``)."""
+    env = os.environ.get("FAIRSHARE_STATE_DIR")
+    if env:
+        return Path(env).expanduser()
+    cwd = Path.cwd()
+    if (cwd / "pyproject.toml").is_file() and (cwd / "fairshare").is_dir():
+        return cwd / "var"
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
+    return base / "fairshare"
+
+
 def load_tenants(path: str | os.PathLike) -> TenantsFile:
     """Read and validate a tenants YAML file.
 

@@ -51,6 +51,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fairshare.config import default_state_dir
 from fairshare.procs import find_redis_server, port_in_use, start_redis
 
 DEFAULT_REDIS_PORT = 6390  # not 6379, so a system Redis does not clash
@@ -79,19 +80,6 @@ class _Stop(Exception):
 # --------------------------------------------------------------------------------------------
 # State directory
 # --------------------------------------------------------------------------------------------
-
-def default_state_dir() -> Path:
-    """``$FAIRSHARE_STATE_DIR``; else ``./var`` in a source checkout; else ``~/.local/state/fairshare``."""
-    env = os.environ.get("FAIRSHARE_STATE_DIR")
-    if env:
-        return Path(env).expanduser()
-    cwd = Path.cwd()
-    if (cwd / "pyproject.toml").is_file() and (cwd / "fairshare").is_dir():
-        return cwd / "var"
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
-    return base / "fairshare"
-
 
 def ensure_secret(path: Path) -> None:
     """Create the server secret once (mode 0600); leave an existing one alone."""

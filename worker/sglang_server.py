@@ -53,6 +53,7 @@ import grpc
 
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.wire import FINISH_ENUMS as _FINISH
+from fairshare.wire import INVALID_METADATA_KEY
 from fairshare.wire import SERVICE_NAME
 from fairshare.wire import TIER_ENUMS as _TIER_ENUMS
 from fairshare.wire import TIER_NAMES as _TIER_NAMES
@@ -400,6 +401,9 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finished = True
                     _, message, status = finish_reason_of(out.get("meta_info") or {})
                     if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and status == 400:
+                        if request.sampling.HasField("grammar") and "grammar" in (message or ""):
+                            # SGLang's grammar backend could not compile it ("Failed to compile ... grammar")
+                            context.set_trailing_metadata(((INVALID_METADATA_KEY, "grammar"),))
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message or "invalid request")
                     stats.prompt_tokens += msg.usage.prompt_tokens
                     stats.cached_tokens += msg.usage.cached_prompt_tokens
