@@ -24,6 +24,9 @@ Gateway
                       [--max-body-bytes 8388608]
                       [--metrics-port 0] [--metrics-host 127.0.0.1]  # /metrics on an admin listener
                       [--metrics-token-file FILE] [--public-metrics]
+                      [--default-max-tokens N | 'MODEL=N,*=M']  # chat output budget without max_tokens
+                                                        # (default 1024; completions: 16; docs/api.md)
+                      [--tool-call-parser hermes|none | 'MODEL=hermes,*=none']  # tool-call format
 
 Every flag has an environment variable read with pydantic-settings (flags win over env):
 ``FAIRSHARE_HOST``, ``FAIRSHARE_PORT``, ``FAIRSHARE_TENANTS_FILE``, ``FAIRSHARE_WORKERS``
@@ -34,7 +37,8 @@ Every flag has an environment variable read with pydantic-settings (flags win ov
 ``FAIRSHARE_REDIS_OUTAGE_POLICY``, ``FAIRSHARE_GATEWAY_REPLICAS``, ``FAIRSHARE_REDIS_TIMEOUT_S``,
 ``FAIRSHARE_DRAIN_TIMEOUT_S``, ``FAIRSHARE_REQUEST_TIMEOUT_S``, ``FAIRSHARE_MAX_BODY_BYTES``,
 ``FAIRSHARE_METRICS_PORT``, ``FAIRSHARE_METRICS_HOST``, ``FAIRSHARE_METRICS_TOKEN`` (the token itself),
-``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS`` (see docs/reliability.md). The gateway refuses to
+``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS`` (see docs/reliability.md),
+``FAIRSHARE_DEFAULT_MAX_TOKENS``, ``FAIRSHARE_TOOL_CALL_PARSER`` (docs/api.md). The gateway refuses to
 start without a secret.
 
 ``/metrics`` (every tenant's figures) is not served to API clients on the public port: operators
@@ -93,7 +97,7 @@ def _settings_from_args(args: argparse.Namespace):
     for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "redis_cluster", "secret_file", "tokenizer",
                  "lease_ttl_s", "log_level", "otel_exporter", "redis_outage_policy", "gateway_replicas",
                  "redis_timeout_s", "drain_timeout_s", "request_timeout_s", "max_body_bytes", "metrics_port",
-                 "metrics_host", "metrics_token_file", "public_metrics"):
+                 "metrics_host", "metrics_token_file", "public_metrics", "default_max_tokens", "tool_call_parser"):
         v = getattr(args, name, None)
         if v is not None:
             overrides[name] = v
@@ -143,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding a token that may read /metrics on the public port (Authorization: Bearer)")
     p.add_argument("--public-metrics", dest="public_metrics", action="store_true", default=None,
                    help="serve /metrics to anyone on the public port (only where tenants cannot reach it)")
+    p.add_argument("--default-max-tokens", dest="default_max_tokens",
+                   help="output tokens of a chat completion sent without max_tokens: N for every model, or "
+                        "'MODEL=N,*=M' (default 1024; a tenant's default_max_tokens wins; completions: 16)")
+    p.add_argument("--tool-call-parser", dest="tool_call_parser",
+                   help="how models write tool calls: hermes (default) or none, for every model or "
+                        "'MODEL=hermes,*=none'")
     return p
 
 

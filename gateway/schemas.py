@@ -356,8 +356,8 @@ class ChatCompletionRequest(_SamplingFields):
                                       "assistant messages.", f"messages.[{i}].tool_calls", "invalid_value")
 
     def _check_tools(self) -> None:
-        """Tools and tool_choice: unique function names, valid parameter schemas, a tool_choice only
-        with tools, a named tool_choice that names one of them."""
+        """Tools and tool_choice: unique function names, valid parameter schemas, a forcing tool_choice
+        (``required``, a named function) only with tools, and naming one of them."""
         names: set[str] = set()
         for i, t in enumerate(self.tools or []):
             if t.function.name in names:
@@ -369,12 +369,10 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tools is not None and not self.tools:
             raise invalid_request("Invalid 'tools': empty array. Expected an array with minimum length 1, but got "
                                   "an empty array instead.", "tools", "empty_array")
-        if self.tool_choice is not None and not self.tools:
+        # "none" / "auto" and parallel_tool_calls without tools change nothing: accepted (clients send them)
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise invalid_request("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
                                   "are specified.", "tool_choice", "invalid_value")
-        if self.parallel_tool_calls is not None and not self.tools:
-            raise invalid_request("Invalid value for 'parallel_tool_calls': 'parallel_tool_calls' is only allowed "
-                                  "when 'tools' are specified.", "parallel_tool_calls", "invalid_value")
         forced = self.forced_function()
         if forced is not None and forced not in names:
             raise invalid_request(f"Invalid value for 'tool_choice': function '{forced}' is not one of the "

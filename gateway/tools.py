@@ -223,9 +223,12 @@ class HermesToolParser(ToolCallParser):
 
     def structural_tag(self, tools, only, parallel):  # noqa: D102
         chosen = [t for t in tools if only is None or (t.get("function") or {}).get("name") == only]
-        fmt = {"type": "tags_with_separator", "tags": [self._tag(t) for t in chosen], "separator": "\n",
-               "at_least_one": True, "stop_after_first": bool(only is not None or not parallel)}
-        return {"type": "structural_tag", "format": fmt}
+        calls = {"type": "tags_with_separator", "tags": [self._tag(t) for t in chosen], "separator": "\n",
+                 "at_least_one": True, "stop_after_first": bool(only is not None or not parallel)}
+        # models of this format often end a call with a newline before EOS: allowed, not read as
+        # "another call follows"
+        trailing = {"type": "optional", "content": {"type": "const_string", "value": "\n"}}
+        return {"type": "structural_tag", "format": {"type": "sequence", "elements": [calls, trailing]}}
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesToolParser, "none": ToolCallParser}

@@ -120,8 +120,8 @@ def _accepts(compiled, text: str) -> bool:
     ({"type": "function", "function": {"name": "get_weather"}}, None,
      [CALL_A], [CALL_B, CALL_A + "\n" + CALL_A, "Sure! " + CALL_A, '<tool_call>\n{"name": "get_weather", '
                                                                      '"arguments": {}}\n</tool_call>']),
-    ("required", False, [CALL_A, CALL_B], ["", CALL_A + "\n" + CALL_B, "plain text"]),
-    ("required", True, [CALL_A, CALL_A + "\n" + CALL_B], ["", "plain text"]),
+    ("required", False, [CALL_A, CALL_B, CALL_B + "\n"], ["", CALL_A + "\n" + CALL_B, "plain text", CALL_A + "\n\n"]),
+    ("required", True, [CALL_A, CALL_A + "\n" + CALL_B, CALL_A + "\n" + CALL_B + "\n"], ["", "plain text"]),
 ])
 def test_forced_tool_choice_grammar_accepts_exactly_well_formed_calls(compiler, choice, parallel, good, bad):
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS, "tool_choice": choice}
