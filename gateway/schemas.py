@@ -71,55 +71,57 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 
 
-class FunctionCall(BaseModel):
-    """``function`` of a tool call: its name and its arguments (a JSON object, as text)."""
+class _Lenient(BaseModel):
+    """Nested request objects: fields they do not declare are ignored (clients add vendor fields)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Lenient):
+    """``function`` of a tool call: its name and its arguments (a JSON object, as text)."""
+
     name: str
     arguments: str
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Lenient):
     """One tool call of an assistant message, as the API returned it and the client sends it back."""
 
-    model_config = ConfigDict(extra="ignore")
     id: str
     type: Literal["function"]
     function: FunctionCall
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(_Lenient):
     """A callable function: ``name``, ``description`` and its ``parameters`` as a JSON Schema."""
 
-    model_config = ConfigDict(extra="ignore")
     name: str = Field(pattern=NAME_PATTERN)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(_Lenient):
     """An entry of ``tools`` (``type`` is always ``function``)."""
 
-    model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedFunction(_Lenient):
+    """``tool_choice.function``: the function to call."""
+
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(_Lenient):
     """``tool_choice: {"type": "function", "function": {"name": ...}}``: call exactly that function."""
 
-    model_config = ConfigDict(extra="ignore")
     type: Literal["function"]
     function: NamedFunction
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(_Lenient):
     """``response_format.json_schema``: a named JSON Schema the output must satisfy."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -129,18 +131,21 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormatText(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormatText(_Lenient):
+    """``response_format: {"type": "text"}`` (the default)."""
+
     type: Literal["text"]
 
 
-class ResponseFormatJSONObject(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormatJSONObject(_Lenient):
+    """``response_format: {"type": "json_object"}``: any JSON object."""
+
     type: Literal["json_object"]
 
 
-class ResponseFormatJSONSchema(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormatJSONSchema(_Lenient):
+    """``response_format: {"type": "json_schema", "json_schema": {...}}``."""
+
     type: Literal["json_schema"]
     json_schema: JSONSchemaFormat
 

@@ -10,6 +10,11 @@ numbers, so no answer can finish inside the budget and every sequence generates 
 both (median over the repeats), the relative cost, the added time per constrained token (mask fill,
 the JSON control-character mask, applying it, advancing the matcher), and the grammar's compile time
 (first and cached). Prompts of `--prompt-len` tokens; sampling at temperature 1 with fixed seeds.
+
+Each figure is given per wall-clock second and per CPU second of this process (`time.process_time`):
+on a machine shared with other work the CPU-second figure is the steadier one (other processes'
+load stretches wall time, not this process's CPU time); with ``--threads 1`` the two agree on an idle
+machine (several torch threads may spin while waiting, which CPU time counts).
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ ITEM = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0,
 SCHEMA = {"type": "array", "items": ITEM, "minItems": 1000}
 
 
-def _run(engine, batch: int, constrained: int, grammar, prompt_len: int, new_tokens: int, tag: str) -> float:
+def _run(engine, batch: int, constrained: int, grammar, prompt_len: int, new_tokens: int,
+         tag: str) -> tuple[float, float]:
+    """(output tokens per wall second, per CPU second) of one batch run to the end."""
     from worker.engine.sequence import SamplingParams
 
     done: list[int] = []
@@ -36,7 +43,7 @@ def _run(engine, batch: int, constrained: int, grammar, prompt_len: int, new_tok
         if out.finish_reason is not None:
             done.append(out.completion_tokens)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for i in range(batch):
         prompt = [(17 * i + 3 * j) % 1000 + 100 for j in range(prompt_len)]
         sp = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True,
@@ -44,10 +51,10 @@ def _run(engine, batch: int, constrained: int, grammar, prompt_len: int, new_tok
         engine.add_request(f"{tag}-{i}", f"t{i % 2}", prompt, sp, on_output)
     while len(done) < batch:
         engine.step()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if sum(done) != batch * new_tokens:
         raise RuntimeError(f"expected {batch * new_tokens} tokens, got {sum(done)}: a sequence ended early")
-    return sum(done) / elapsed
+    return sum(done) / elapsed, sum(done) / cpu
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         free.append(_run(engine, args.batch, 0, None, args.prompt_len, args.new_tokens, f"free{r}"))
         mixed.append(_run(engine, args.batch, constrained, grammar, args.prompt_len, args.new_tokens, f"mixed{r}"))
-        print(f"  repeat {r + 1}: free {free[-1]:8.1f} tok/s   {constrained}/{args.batch} constrained "
-              f"{mixed[-1]:8.1f} tok/s", flush=True)
-    f, m = statistics.median(free), statistics.median(mixed)
+        print(f"  repeat {r + 1}: free {free[-1][0]:7.1f} tok/s ({free[-1][1]:7.1f} per CPU s)   {constrained}/"
+              f"{args.batch} constrained {mixed[-1][0]:7.1f} tok/s ({mixed[-1][1]:7.1f} per CPU s)", flush=True)
     tokens = args.batch * args.new_tokens
-    extra_ms = (tokens / m - tokens / f) * 1000 / max(1, constrained * args.new_tokens)
-    print(f"unconstrained            : {f:8.1f} output tok/s (median of {args.repeats})")
-    print(f"{constrained}/{args.batch} constrained          : {m:8.1f} output tok/s")
-    print(f"throughput cost          : {(1 - m / f) * 100:5.1f} %  (~{extra_ms:.2f} ms added per constrained token)")
+    for unit, k in (("wall second", 0), ("CPU second", 1)):
+        f, m = statistics.median(x[k] for x in free), statistics.median(x[k] for x in mixed)
+        extra_ms = (tokens / m - tokens / f) * 1000 / max(1, constrained * args.new_tokens)
+        print(f"per {unit:<11}: unconstrained {f:8.1f} output tok/s, {constrained}/{args.batch} constrained "
+              f"{m:8.1f} (medians of {args.repeats}): cost {(1 - m / f) * 100:5.1f} % "
+              f"(~{extra_ms:.2f} ms per constrained token)")
     return 0
