@@ -58,10 +58,10 @@ from .auth import Principal, TenantDirectory, bearer_key
 from .config import COMPLETIONS_DEFAULT_MAX_TOKENS, GatewaySettings
 from .errors import (APIError, from_validation_error, install_handlers, invalid_request, model_not_found, unavailable,
                      upstream_timeout)
+from .logprobs import CompletionLogprobs, TokenTexts, chat_content
 from .metrics import UNKNOWN_TENANT, GatewayMetrics
 from .openapi import openapi_document
 from .outage import AdmissionControl, RedisUnavailable
-from .logprobs import CompletionLogprobs, TokenTexts, chat_content
 from .routing import Generation, ModelEntry, WorkerPool, start_generation
 from .sse import DONE, SSEResponse, event
 from .structured import grammar_for
@@ -120,8 +120,8 @@ class OutputPlan:
     the request field it comes from (for a 400 when the worker cannot compile it). tool_format: the
     model's tool-call parser (renders tools into prompts whose template cannot); parser: the same when
     it also reads the output (tools given and tool_choice not none; None: plain content); tools: the
-    request's tools as dicts. skip: token ids that end
-    generation and never appear in text (left out of logprobs). texts: the model's token strings.
+    request's tools as dicts. skip: token ids that end generation and never appear in text (left out
+    of logprobs). texts: the model's token strings (for logprobs).
     """
 
     logprobs: bool = False

@@ -14,6 +14,12 @@ authenticated and the client's optional ``cache_salt`` (keyed hash under ``FAIRS
 or a per-process random secret; worker/cache/namespace.py, docs/cache-isolation.md); the gateway's
 ``Tenant.cache_namespace`` is not used for the reference engine's cache.
 
+A request's grammar (structured outputs, forced tool calls) is compiled here, on a thread, before
+the request reaches the engine (worker/engine/grammar.py; compiled grammars are cached); one that does
+not compile is refused with INVALID_ARGUMENT and trailing metadata ``fairshare-invalid: grammar``, so
+the gateway answers a 400 naming the request field. Logprobs travel as one ``TokenLogprob`` per token.
+Every name in ``served_model_names`` (``--served-model-name``) is reported by ``GetModelInfo``.
+
 Fault injection, for tests only: with ``FAIRSHARE_WORKER_TEST_FAULTS=1`` in the worker's environment
 (never set it in a deployment), a request whose ``cache_salt`` is ``fault:reject`` is refused with
 INVALID_ARGUMENT (as the engine refuses an invalid request, after the gateway admitted it), and one
@@ -140,8 +146,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         m = engine.model
         digest = hashlib.sha256((m.tokenizer_json + "\0" + (m.chat_template or "")).encode()).hexdigest()
         self._model_info = worker_pb2.ModelInfo(
-            model_name=names[0], served_model_names=names, max_context_tokens=engine.max_model_len, tokenizer_json=m.tokenizer_json,
-            chat_template=m.chat_template or "", eos_token_ids=sorted(m.eos_token_ids), tokenizer_sha256=digest,
+            model_name=names[0], served_model_names=names, max_context_tokens=engine.max_model_len,
+            tokenizer_json=m.tokenizer_json, chat_template=m.chat_template or "", eos_token_ids=sorted(m.eos_token_ids), tokenizer_sha256=digest,
             bos_token=m.bos_token or "", eos_token=m.eos_token or "",
         )
 

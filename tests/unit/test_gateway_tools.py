@@ -5,8 +5,6 @@ that forces calls accepting exactly well-formed calls (checked with xgrammar's m
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from gateway.logprobs import TokenTexts
