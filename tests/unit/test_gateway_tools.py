@@ -170,3 +170,16 @@ def test_token_texts_bytes_rebuild_the_text(tokenizer_files):
     assert all(not s.startswith("bytes:") or len(texts.bytes_of(i)) < 4 for s, i in zip(shown, ids))
     item = texts.item(ids[0], -0.5)
     assert item == {"token": shown[0], "logprob": -0.5, "bytes": list(texts.bytes_of(ids[0]))}
+
+
+def test_a_model_without_a_tool_call_format_cannot_force_calls():
+    from gateway.errors import APIError
+
+    req = validate_request({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                            "tool_choice": "required"}, "chat")
+    with pytest.raises(APIError) as e:
+        grammar_for(req, get_parser("none"))
+    assert (e.value.status, e.value.param, e.value.code) == (400, "tool_choice", "unsupported_value")
+    assert get_parser("none").stream(TOOLS) is None  # and its output is never read as calls
+    with pytest.raises(ValueError):
+        get_parser("mistral")
