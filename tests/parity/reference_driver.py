@@ -64,17 +64,17 @@ class ReferenceDriver:
     def step(self) -> IterationRecord:
         """Arrivals of this iteration, one `schedule()`, the fake forward and commit."""
         self._arrive(self.iteration)
-        before = {rid: s.status for rid, s in self.seqs.items()}
+        before = {rid: (s.status, s.num_preemptions) for rid, s in self.seqs.items()}
         chunks = self.scheduler.schedule()
         rec = IterationRecord()
+        # preempted (recompute) in this schedule(), whatever the reason
+        rec.retracted = [rid for rid, s in self.seqs.items() if s.num_preemptions > before[rid][1]]
         for c in chunks:
             s = c.seq
-            if before[s.request_id] is SequenceStatus.WAITING and s.status is SequenceStatus.RUNNING:
+            was = before[s.request_id][0]
+            if s.status is SequenceStatus.RUNNING and (was is SequenceStatus.WAITING or s.request_id in rec.retracted):
                 rec.admitted.append(s.request_id)
             rec.tokens[s.tenant_id] = rec.tokens.get(s.tenant_id, 0) + c.num_tokens
-        rec.retracted = [rid for rid, s in self.seqs.items()
-                         if s.status is SequenceStatus.WAITING and (before[rid] is SequenceStatus.RUNNING
-                                                                    or rid in rec.admitted)]
         for c in chunks:
             s = c.seq
             s.num_computed_tokens += c.num_tokens

@@ -109,8 +109,17 @@ def ensure_plugin() -> None:
         owner = getattr(__import__(module_path, fromlist=[cls_name]), cls_name)
         fn = owner.__dict__[attr]
         fn = getattr(fn, "__func__", fn)
-        if inspect.getclosurevars(fn).nonlocals.get("hook") is not h.fn:
+        while fn is not None and _closure(fn).get("hook") is not h.fn:  # other wrappers may sit outside
+            fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
             raise PluginNotInstalled(f"{h.target}: FairShare hook not installed (pip install -e . in .venv-sglang)")
+
+
+def _closure(fn) -> dict:
+    try:
+        return inspect.getclosurevars(fn).nonlocals
+    except TypeError:  # not a Python function
+        return {}
 
 
 # ---- stand-ins for the parts of a Scheduler that only report ------------------------------------
@@ -321,24 +330,26 @@ class SGLangDriver:
             req = self.make_req(r)
             self.reqs[r.request_id] = req
             s._add_request_to_queue(req)
-        waiting_before = [r.rid for r in s.waiting_queue]
-        held_before = {r.rid for r in s.running_batch.reqs}
+        held = {r.rid for r in s.running_batch.reqs}
         if s.last_batch is not None:
-            held_before.update(r.rid for r in s.last_batch.reqs if not r.finished())
+            held.update(r.rid for r in s.last_batch.reqs if not r.finished())
+        if s.chunked_req is not None:
+            held.add(s.chunked_req.rid)
+        retractions = {rid: r.retraction_count for rid, r in self.reqs.items() if not r.finished()}
         plan = s.get_next_batch_to_run(running_batch=s.running_batch, last_batch=s.last_batch)
         s.running_batch = plan.running_batch
         batch = plan.batch_to_run
         s.cur_batch_for_debug = batch
         rec = IterationRecord()
-        waiting_now = {r.rid for r in s.waiting_queue}
-        left = set(waiting_before) - waiting_now
+        # retracted: SGLang counts them itself (Req.reset_for_retract), whichever path retracted
+        rec.retracted = [rid for rid, n in retractions.items() if self.reqs[rid].retraction_count > n]
         if batch is not None:
             riding = {id(r) for r in (batch.decoding_reqs or ())}
             for req in batch.reqs:
                 t = req.fairshare_tag.tenant_id
                 if batch.forward_mode.is_extend() and id(req) not in riding:
                     n = req.extend_end - req.prefix_len
-                    if req.rid in left:
+                    if req.rid not in held or req.rid in rec.retracted:
                         rec.admitted.append(req.rid)
                 else:
                     n = 1
@@ -350,7 +361,6 @@ class SGLangDriver:
             if s.is_fully_idle():
                 s.new_token_ratio_tracker.reset()  # what Scheduler.on_idle changes for scheduling
         s.last_batch = batch
-        rec.retracted = [r.rid for r in s.waiting_queue if r.rid in held_before or r.rid in rec.admitted]
         rec.finished = [rid for rid in s.output_streamer.finished[self._finished_seen:]]
         self._finished_seen = len(s.output_streamer.finished)
         rec.tenant_of = {rid: self.reqs[rid].fairshare_tag.tenant_id for rid in rec.admitted + rec.retracted}
