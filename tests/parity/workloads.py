@@ -127,12 +127,12 @@ class ScriptedWorkload:
 
 
 def _stream(tenant: str, start: int, stop: int, every: int, prompt: int, output: int,
-            burst: int = 1) -> list[ScriptedRequest]:
-    """`burst` requests every `every` iterations in [start, stop)."""
+            burst: int = 1, first: int = 0) -> list[ScriptedRequest]:
+    """`burst` requests every `every` iterations in [start, stop), numbered from `first`."""
     out = []
     for k, it in enumerate(range(start, stop, every)):
         for b in range(burst):
-            out.append(ScriptedRequest(f"{tenant}-{k * burst + b}", tenant, it, prompt, output))
+            out.append(ScriptedRequest(f"{tenant}-{first + k * burst + b}", tenant, it, prompt, output))
     return out
 
 
@@ -173,9 +173,7 @@ ON_OFF = ScriptedWorkload(
     "neither starved nor paid back for its silence",
     (ScriptedTenant("steady"), ScriptedTenant("returning")),
     _interleave(_stream("steady", 0, 1, 1, 192, 32, burst=60),
-                _stream("returning", 0, 30, 2, 192, 32) + [
-                    ScriptedRequest(f"returning-{15 + k}", "returning", it, 192, 32)
-                    for k, it in enumerate(range(80, 110, 2))]),
+                _stream("returning", 0, 30, 2, 192, 32) + _stream("returning", 80, 110, 2, 192, 32, first=15)),
     iterations=200, backlog_window=(84, 199), backlogged=("steady", "returning"))
 
 TIERS_WORKLOAD = ScriptedWorkload(
