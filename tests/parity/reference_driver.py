@@ -49,11 +49,12 @@ class ReferenceDriver:
                                    prefill_slice=prefill_slice, max_skips=max_skips,
                                    returning_preemption=returning_preemption, clock=lambda: float(self.iteration))
         self.iteration = 0
+        self._arrivals = workload.arrivals()
         self.seqs: dict[str, Sequence] = {}
         self.trace = Trace(f"reference/{policy}", workload.name)
 
     def _arrive(self, iteration: int) -> None:
-        for r in self.workload.arrivals().get(iteration, ()):
+        for r in self._arrivals.get(iteration, ()):
             tenant = self.workload.tenant(r.tenant_id)
             seq = Sequence(r.request_id, r.tenant_id, self.workload.prompt(r), SamplingParams(max_tokens=r.output_tokens),
                            weight=tenant.weight, tier=tenant.tier, arrival_time=float(iteration),

@@ -209,6 +209,8 @@ class SGLangDriver:
         self.iteration = 0
         self.reqs: dict[str, Req] = {}
         self.trace = Trace(f"sglang/{policy}", workload.name)
+        self._arrivals = workload.arrivals()
+        self._finished_seen = 0
 
     # ---- building the Scheduler -----------------------------------------------------------------
     def _build_scheduler(self) -> Scheduler:
@@ -326,7 +328,7 @@ class SGLangDriver:
     def step(self) -> IterationRecord:
         """Arrivals of this iteration, then one pass of `Scheduler.event_loop_normal`."""
         s = self.scheduler
-        for r in self.workload.arrivals().get(self.iteration, ()):
+        for r in self._arrivals.get(self.iteration, ()):
             req = self.make_req(r)
             self.reqs[r.request_id] = req
             s._add_request_to_queue(req)
@@ -361,7 +363,7 @@ class SGLangDriver:
             if s.is_fully_idle():
                 s.new_token_ratio_tracker.reset()  # what Scheduler.on_idle changes for scheduling
         s.last_batch = batch
-        rec.finished = [rid for rid in s.output_streamer.finished[self._finished_seen:]]
+        rec.finished = s.output_streamer.finished[self._finished_seen:]
         self._finished_seen = len(s.output_streamer.finished)
         rec.tenant_of = {rid: self.reqs[rid].fairshare_tag.tenant_id for rid in rec.admitted + rec.retracted}
         rec.service = {t: v["charged_service"] for t, v in self.state.snapshot().items()}
@@ -371,8 +373,6 @@ class SGLangDriver:
         self.trace.records.append(rec)
         self.iteration += 1
         return rec
-
-    _finished_seen = 0
 
     def run(self) -> Trace:
         """All `workload.iterations` passes; returns the trace (the driver stays open)."""
