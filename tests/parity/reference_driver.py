@@ -22,13 +22,14 @@ from worker.engine.sequence import FinishReason, SamplingParams, Sequence, Seque
 from worker.scheduling.cost import LinearCost
 from worker.scheduling.policy import make_policy
 
+from tests.parity.driver import ScriptedDriver
 from tests.parity.trace import IterationRecord, Trace
 from tests.parity.workloads import ScriptedWorkload
 
 OUTPUT_TOKEN = 7  # what the fake model emits (the same in the SGLang driver)
 
 
-class ReferenceDriver:
+class ReferenceDriver(ScriptedDriver):
     """The reference scheduler on `workload.engine`'s shape under `policy` (`vtc`, `vtc-pred`,
     `drr`, `fcfs`), with the engine's defaults (`prefill_slice`, `max_skips`,
     `returning_preemption`) unless overridden. Cost: `LinearCost(alpha, beta)` (the engine's
@@ -37,8 +38,8 @@ class ReferenceDriver:
     def __init__(self, workload: ScriptedWorkload, policy: str = "vtc", *, alpha: float = 1.0, beta: float = 2.0,
                  prefill_slice: int = 16, max_skips: int = 8, returning_preemption: bool | None = None,
                  drr_quantum: float = 512.0) -> None:
+        super().__init__(workload, f"reference/{policy}")
         shape = workload.engine
-        self.workload = workload
         self.cost = LinearCost(alpha, beta)
         options = {"quantum": drr_quantum} if policy == "drr" else {}
         self.policy = make_policy(policy, self.cost, **options)
@@ -48,10 +49,7 @@ class ReferenceDriver:
         self.scheduler = Scheduler(self.policy, self.cost, self.blocks, shape.chunk_tokens, shape.max_running,
                                    prefill_slice=prefill_slice, max_skips=max_skips,
                                    returning_preemption=returning_preemption, clock=lambda: float(self.iteration))
-        self.iteration = 0
-        self._arrivals = workload.arrivals()
         self.seqs: dict[str, Sequence] = {}
-        self.trace = Trace(f"reference/{policy}", workload.name)
 
     def _arrive(self, iteration: int) -> None:
         for r in self._arrivals.get(iteration, ()):
@@ -88,19 +86,7 @@ class ReferenceDriver:
                     rec.finished.append(s.request_id)
         rec.tenant_of = {rid: self.seqs[rid].tenant_id for rid in rec.admitted + rec.retracted}
         rec.service = {t: a.charged_service for t, a in sorted(self.policy.accounts.items())}
-        rec.waiting = {}
-        for s in self.seqs.values():
-            if s.status is SequenceStatus.WAITING:
-                rec.waiting[s.tenant_id] = rec.waiting.get(s.tenant_id, 0) + 1
-        self.trace.records.append(rec)
-        self.iteration += 1
-        return rec
-
-    def run(self) -> Trace:
-        """All `workload.iterations` steps; returns the trace."""
-        while self.iteration < self.workload.iterations:
-            self.step()
-        return self.trace
+        return self._close_step(rec, (s.tenant_id for s in self.seqs.values() if s.status is SequenceStatus.WAITING))
 
     def leaked_blocks(self) -> int:
         """KV blocks still held once every request has finished (0 when none leaked)."""

@@ -82,6 +82,7 @@ from sglang.srt.runtime_context import get_context, get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
+from tests.parity.driver import ScriptedDriver  # noqa: E402
 from tests.parity.trace import IterationRecord, Trace  # noqa: E402
 from tests.parity.workloads import ScriptedWorkload  # noqa: E402
 from worker.scheduling.cost import LinearCost  # noqa: E402
@@ -168,7 +169,7 @@ def _model_config(context_len: int):
                            think_end_ids=None, num_key_value_heads=1)
 
 
-class SGLangDriver:
+class SGLangDriver(ScriptedDriver):
     """SGLang's scheduler on `workload.engine`'s shape, with the plugin's `policy` (`vtc`,
     `vtc-pred`, `drr`, `fcfs`) and `LinearCost(alpha, beta)`.
 
@@ -184,7 +185,7 @@ class SGLangDriver:
     def __init__(self, workload: ScriptedWorkload, policy: str = "vtc", *, alpha: float = 1.0, beta: float = 2.0,
                  sglang_policy: str = "fcfs", mixed_chunk: bool = True, conservativeness: float = 1.0,
                  drr_quantum: float = 512.0, secret: str | None = None) -> None:
-        self.workload = workload
+        super().__init__(workload, f"sglang/{policy}")
         shape = workload.engine
         self.secret = secret or os.environ.get(tenant_mod.SECRET_ENV) or DEFAULT_SECRET
         self._override = get_context().override_server_args(
@@ -206,10 +207,7 @@ class SGLangDriver:
         except BaseException:
             self.close()
             raise
-        self.iteration = 0
         self.reqs: dict[str, Req] = {}
-        self.trace = Trace(f"sglang/{policy}", workload.name)
-        self._arrivals = workload.arrivals()
         self._finished_seen = 0
 
     # ---- building the Scheduler -----------------------------------------------------------------
@@ -367,18 +365,7 @@ class SGLangDriver:
         self._finished_seen = len(s.output_streamer.finished)
         rec.tenant_of = {rid: self.reqs[rid].fairshare_tag.tenant_id for rid in rec.admitted + rec.retracted}
         rec.service = {t: v["charged_service"] for t, v in self.state.snapshot().items()}
-        for r in s.waiting_queue:
-            t = r.fairshare_tag.tenant_id
-            rec.waiting[t] = rec.waiting.get(t, 0) + 1
-        self.trace.records.append(rec)
-        self.iteration += 1
-        return rec
-
-    def run(self) -> Trace:
-        """All `workload.iterations` passes; returns the trace (the driver stays open)."""
-        while self.iteration < self.workload.iterations:
-            self.step()
-        return self.trace
+        return self._close_step(rec, (r.fairshare_tag.tenant_id for r in s.waiting_queue))
 
     def leaked_tokens(self) -> int:
         """KV tokens neither free, nor evictable in the radix tree, once every request finished
