@@ -306,9 +306,9 @@ def check_ports(args) -> None:
     busy = [(name, host, port, flag) for name, host, port, flag in wanted
             if 0 < port < 65536 and port_in_use(host, port)]
     if busy:
-        where = ", ".join(f"{port} on {host} ({name}; pass {flag} N)" for name, host, port, flag in busy)
-        problems.append(f"port{'s' if len(busy) > 1 else ''} already in use: {where}; stop what uses "
-                        f"{'them' if len(busy) > 1 else 'it'} or choose other ports")
+        where = ", ".join(f"port {port} on {host} ({name}; pass {flag} N)" for name, host, port, flag in busy)
+        problems.append(f"already in use: {where}; stop what uses {'them' if len(busy) > 1 else 'it'} "
+                        "or choose other ports")
     if problems:
         raise UpError("; ".join(problems))
 

@@ -100,7 +100,7 @@ def test_every_taken_port_is_reported_at_once():
         assert "\n" not in msg
         assert f"{a} on 127.0.0.1 (gateway; pass --port N)" in msg
         assert f"{b} on 127.0.0.1 (redis; pass --redis-port N)" in msg
-        assert msg.startswith("ports already in use:")
+        assert msg.startswith("already in use: port ") and msg.endswith("stop what uses them or choose other ports")
     finally:
         for s in socks:
             s.close()
