@@ -143,7 +143,8 @@ def test_deaths_outside_the_window_do_not_add_up(sup, tmp_path):
     assert sup.restarts["worker"] == 4
 
 
-def test_a_child_that_dies_while_coming_back_counts_again(sup, tmp_path):
+def restarted_never_ready(sup, tmp_path) -> None:
+    """Launch a child (ready), kill it, and let the supervisor restart it as a process never ready."""
     ready = {"yes": True}
     child = sup.launch(sleeper_spec(tmp_path, ready=lambda: ready["yes"]))
     ready["yes"] = False
@@ -151,19 +152,18 @@ def test_a_child_that_dies_while_coming_back_counts_again(sup, tmp_path):
     sup.step()
     sup.fake_clock.now += 1
     sup.step()  # restarted, not ready
+    assert sup.pending["worker"].phase == "starting"
+
+
+def test_a_child_that_dies_while_coming_back_counts_again(sup, tmp_path):
+    restarted_never_ready(sup, tmp_path)
     kill(sup.current("worker"))
     sup.step()
     assert "death 2 within 60 s" in sup.notes[-1] and "restarting it in 1 s" in sup.notes[-1]
 
 
 def test_a_restart_that_never_gets_ready_stops_everything(sup, tmp_path):
-    ready = {"yes": True}
-    child = sup.launch(sleeper_spec(tmp_path, ready=lambda: ready["yes"]))
-    ready["yes"] = False
-    kill(child)
-    sup.step()
-    sup.fake_clock.now += 1
-    sup.step()
+    restarted_never_ready(sup, tmp_path)
     sup.fake_clock.now += 61  # past ready_timeout_s
     with pytest.raises(CrashLoop, match="was restarted but was not ready within 60 s"):
         sup.step()
