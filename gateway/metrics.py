@@ -67,8 +67,12 @@ class GatewayMetrics:
     def track(self, directory=None, rates=None) -> None:
         """Also export, read at scrape time, each configured tenant's weight and tier (`directory`: a
         `gateway.auth.TenantDirectory`) and the measured per-stream output rate of each model (`rates`:
-        a `gateway.progress.OutputRates`). `fairshare top` reads both."""
-        self.registry.register(_ConfigCollector(directory, rates))
+        a `gateway.progress.OutputRates`). `fairshare top` reads both. Calling it again re-targets
+        the same collector (an app whose lifespan runs twice does not register it twice)."""
+        if getattr(self, "_config", None) is None:
+            self._config = _ConfigCollector(directory, rates)
+            self.registry.register(self._config)
+        self._config.directory, self._config.rates = directory, rates
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""
