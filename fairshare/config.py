@@ -173,6 +173,12 @@ class KeysFile(BaseModel):
     keys: list[KeyRecord] = Field(default_factory=list)
 
 
+# Markers that begin the gateway's log line about a reload of the tenants/keys files (gateway/auth.py);
+# `fairshare up` forwards such lines to its terminal as one-line notices (fairshare/supervisor.py).
+CONFIG_RELOADED = "config reloaded:"
+CONFIG_REJECTED = "config rejected:"
+
+
 def default_state_dir() -> Path:
     """Where `fairshare up` keeps its state (tenants.yaml, tenants.keys.yaml, secret, logs):
     ``$FAIRSHARE_STATE_DIR``; else ``./var`` in a source checkout; else ``~/.local/state/fairshare``
