@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import hmac
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from fairshare.config import KeyRecord, KeysFile, TenantConfig, TenantsFile, load_keys, load_tenants, save_keys
+from fairshare.config import (CONFIG_REJECTED, CONFIG_RELOADED, KeyRecord, KeysFile, TenantConfig, TenantsFile,
+                              load_keys, load_tenants, save_keys)
 
 from .errors import APIError, invalid_api_key, missing_api_key
 
@@ -55,19 +57,55 @@ def create_key(secret: bytes, tenant_id: str, keys_path: str | os.PathLike,
     The key itself is returned once and never stored. Raises KeyError when `tenants` is given and has
     no such tenant. Concurrent callers are serialised with an exclusive lock file next to the keys file.
     """
+    key = new_key()
+    return key, store_key(secret, tenant_id, key, keys_path, tenants)
+
+
+MIN_IMPORTED_KEY_CHARS = 16
+MAX_IMPORTED_KEY_CHARS = 1024
+
+
+def check_imported_key(key: str) -> str:
+    """`key` as it will be stored (surrounding whitespace removed). Raises ValueError unless it is
+    one line of 16-1024 printable ASCII characters without spaces (what API keys look like; shorter
+    ones are too easy to guess)."""
+    key = key.strip()
+    if not key:
+        raise ValueError("no key given (pipe it on standard input)")
+    if any(c.isspace() for c in key) or not key.isascii() or not key.isprintable():
+        raise ValueError("a key is one line of printable ASCII without spaces")
+    if not MIN_IMPORTED_KEY_CHARS <= len(key) <= MAX_IMPORTED_KEY_CHARS:
+        raise ValueError(f"a key has {MIN_IMPORTED_KEY_CHARS}-{MAX_IMPORTED_KEY_CHARS} characters "
+                         f"(this one has {len(key)})")
+    return key
+
+
+def store_key(secret: bytes, tenant_id: str, key: str, keys_path: str | os.PathLike,
+              tenants: TenantsFile | None = None) -> KeyRecord:
+    """Store the digest of `key` for `tenant_id` in the keys file and return its record; the key
+    itself is never written. Used for new keys and for existing ones brought from another gateway.
+
+    Raises KeyError when `tenants` is given and has no such tenant, ValueError when the same key is
+    already stored (for any tenant). Serialised with an exclusive lock file next to the keys file.
+    """
     if tenants is not None and tenant_id not in tenants.by_id():
         raise KeyError(f"unknown tenant {tenant_id!r}")
-    key = new_key()
-    record = KeyRecord(key_id="key_" + secrets.token_hex(6), tenant=tenant_id, digest=key_digest(secret, key),
+    digest = key_digest(secret, key)
+    if tenants is not None and any(digest in t.api_key_digests for t in tenants.tenants):
+        raise ValueError("this key is already in the tenants file")
+    record = KeyRecord(key_id="key_" + secrets.token_hex(6), tenant=tenant_id, digest=digest,
                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     keys_path = Path(keys_path)
     keys_path.parent.mkdir(parents=True, exist_ok=True)
     with open(keys_path.with_name(keys_path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         keys = load_keys(keys_path)
+        same = next((k for k in keys.keys if hmac.compare_digest(k.digest, digest)), None)
+        if same is not None:
+            raise ValueError(f"this key is already stored ({same.key_id}, tenant {same.tenant})")
         keys.keys.append(record)
         save_keys(keys_path, keys)
-    return key, record
+    return record
 
 
 def revoke_key(keys_path: str | os.PathLike, key_id: str) -> bool:
@@ -179,15 +217,22 @@ class TenantDirectory:
         try:
             self.reload()
             self._bad_stamp = None
-            log.info("reloaded tenants/keys")
+            log.info("%s %d tenant(s) from %s", CONFIG_RELOADED, len(self._tenants), self._tenants_file)
         except (OSError, ValueError, yaml.YAMLError) as exc:  # an operator's mistake: one line, once per edit
             self._bad_stamp = stamp
             text = " ".join(str(exc).split())
-            log.error("could not reload tenants/keys (%s: %s); keeping the previous configuration",
-                      type(exc).__name__, text[:500])
+            log.error("%s could not reload tenants/keys (%s: %s); keeping the previous configuration",
+                      CONFIG_REJECTED, type(exc).__name__, text[:500])
         except Exception:  # keep serving with the previous configuration
             self._bad_stamp = stamp
-            log.exception("could not reload tenants/keys; keeping the previous configuration")
+            log.exception("%s could not reload tenants/keys; keeping the previous configuration", CONFIG_REJECTED)
+
+    async def watch(self, interval_s: float | None = None) -> None:
+        """Check the files every `interval_s` seconds (default: the reload interval) until cancelled,
+        so an edit is applied, or refused with its one log line, without waiting for a request."""
+        while True:
+            await asyncio.sleep(interval_s or self._reload_interval_s)
+            self.maybe_reload()
 
     # -- queries ---------------------------------------------------------------------------------
     def tenants(self) -> dict[str, TenantConfig]:
@@ -215,5 +260,5 @@ class TenantDirectory:
         return self.principal_for(tenant_id)
 
 
-__all__ = ["APIError", "Principal", "TenantDirectory", "bearer_key", "cache_namespace", "create_key",
-           "key_digest", "new_key", "revoke_key"]
+__all__ = ["APIError", "Principal", "TenantDirectory", "bearer_key", "cache_namespace", "check_imported_key",
+           "create_key", "key_digest", "new_key", "revoke_key", "store_key"]
