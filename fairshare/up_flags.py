@@ -50,6 +50,9 @@ PASS_THROUGH: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--cached-rate", (WORKER,)),
     ("--ttft-floor", (WORKER,)),
     ("--threads", (WORKER,)),
+    # the runner's weight format (docs/engine.md)
+    ("--dtype", (WORKER,)),
+    ("--quantization", (WORKER,)),
     ("--metrics-max-tenants", (WORKER,)),
     # gateway
     ("--lease-ttl-s", (GATEWAY,)),
