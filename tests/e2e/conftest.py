@@ -27,6 +27,7 @@ import yaml
 from fairshare.procs import port_in_use
 from fairshare.up_process import UpProcess
 from tests.support.skips import require_module
+from tests.support.waits import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,10 +54,8 @@ def start_up(state_dir: Path, *extra: str, model: str = "smollm2",
 
 def assert_all_stopped(up: UpProcess, info: dict) -> None:
     """Nothing `fairshare up` started is still running, and its ports are free again."""
-    deadline = time.monotonic() + 5
-    alive = {}
-    while time.monotonic() < deadline:
-        alive = {}
+    def alive() -> dict[str, int]:
+        out = {}
         for name, pid in info.get("children", {}).items():
             try:
                 os.kill(pid, 0)
@@ -68,11 +67,10 @@ def assert_all_stopped(up: UpProcess, info: dict) -> None:
             except OSError:
                 continue
             if st != "Z":
-                alive[name] = pid
-        if not alive:
-            break
-        time.sleep(0.1)
-    assert not alive, f"still running after `fairshare up` stopped: {alive}"
+                out[name] = pid
+        return out
+
+    wait_for(lambda: not alive(), lambda: f"every child of `fairshare up` gone; still running: {alive()}")
     for name, port in [("gateway", up.port), ("worker", up.worker_port), ("redis", up.redis_port)]:
         assert not port_in_use("127.0.0.1", port), f"{name} port {port} still in use"
 

@@ -10,7 +10,6 @@ import signal
 import socket
 import stat
 import subprocess
-import time
 
 import openai
 import pytest
@@ -81,10 +80,8 @@ def test_port_taken_is_refused_before_anything_starts(tmp_path, which):
     ports[which] = taken
     args = [x for kv in ports.items() for x in (kv[0], str(kv[1]))]
     try:
-        t0 = time.monotonic()
         res = subprocess.run([*fairshare_command(), "up", *args, "--state-dir", str(tmp_path / "state")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
-        took = time.monotonic() - t0
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     finally:
         blocker.close()
     assert res.returncode == 1, (res.stdout, res.stderr)
@@ -96,4 +93,4 @@ def test_port_taken_is_refused_before_anything_starts(tmp_path, which):
     for flag, port in ports.items():
         if flag != which:
             assert not port_in_use("127.0.0.1", port), f"{flag} {port} was started"
-    assert took < 15
+    assert not (tmp_path / "state" / "run.json").exists()  # refused before anything was started or recorded

@@ -11,6 +11,8 @@ import httpx
 import openai
 import pytest
 
+from tests.support.waits import join_all
+
 MODEL = "random-tiny"
 # a system message replaces the template's default one: ~20 prompt tokens in all
 SHORT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours please."}]
@@ -64,8 +66,7 @@ def test_case_ad1_simultaneous_requests_respect_tpm(gw):
     threads = [threading.Thread(target=send, args=(i,)) for i in range(5)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(60)
+    join_all(threads, "five simultaneous requests")
     ok = [r for r in results if not isinstance(r, Exception)]
     limited = [r for r in results if isinstance(r, openai.RateLimitError)]
     assert len(ok) == 1 and len(limited) == 4, results

@@ -12,7 +12,7 @@ import threading
 import openai
 import pytest
 
-from tests.support.waits import wait_for
+from tests.support.waits import join_all, wait_for
 
 MODEL = "random-tiny"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to three."}]
@@ -66,8 +66,7 @@ def test_fifty_simultaneous_requests_stay_within_limits(gw, control):
         refused = lambda: sum(isinstance(r, openai.RateLimitError) for r in results)  # noqa: E731
         wait_for(lambda: refused() + len(gw.leases("burst")) == 50,
                  lambda: f"each of the 50 refused or holding a lease: {refused()} refused, {len(gw.leases('burst'))} held")
-    for t in threads:
-        t.join(120)
+    join_all(threads, "50 simultaneous requests")
     elapsed_ms = gw.redis_time_ms() - t_seed  # bounds the TPM refill since the seed (Redis time)
     watching = False
     watcher.join()

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import start_worker, stop_worker
 from tests.support.control_client import WorkerControl
-from tests.support.waits import wait_for
+from tests.support.waits import join_all, wait_for
 
 
 def stub_for(addr):
@@ -78,8 +78,7 @@ def test_two_tenants_stream_concurrently_with_correct_usage(worker_addr):
                for t in ("acme", "globex") for i in range(3)]
     for th in threads:
         th.start()
-    for th in threads:
-        th.join(60)
+    join_all(threads, "six concurrent streams")
     assert len(results) == 6
     for name, (tokens, text, last) in results.items():
         i = int(name[-1])
@@ -179,9 +178,8 @@ def test_vtc_serves_second_tenant_before_backlog_fcfs_does_not(policy, tmp_path)
                 threads.append(threading.Thread(target=run, args=(req,)))
                 threads[-1].start()
                 wait_load(stub, lambda ld, n=n: ld.waiting == n and ld.running == 0, f"{n} requests waiting")
-        for th in threads:
-            th.join(300)
-        assert not errors and not any(th.is_alive() for th in threads), errors
+        join_all(threads, "22 streams")
+        assert not errors, errors
         log = control.requests()
         first = {req.request_id: log[req.request_id].first_token[0] for req in a + b}
         b_first = min(first[req.request_id] for req in b)

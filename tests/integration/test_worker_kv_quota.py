@@ -20,6 +20,7 @@ from fairshare.procs import free_port
 from fairshare.v1 import worker_pb2
 from tests.conftest import start_worker
 from tests.integration.test_worker_grpc import gen_request, stub_for, wait_idle, wait_load
+from tests.support.waits import join_all
 
 
 def _poll(stub, cond, what: str = "quota state"):
@@ -97,7 +98,7 @@ def test_getload_and_metrics_report_quotas_and_reclaim(quota_worker):
         vt.start()
         threads.append(vt)
         load = _poll(stub, lambda ld: ld.reclaim_preemptions >= 1)
-        vt.join(120)
+        join_all([vt], "the victim's request")
         assert results.get("victim") == "first-token", results
         by = _tenants(stub.GetLoad(worker_pb2.GetLoadRequest()))
         assert by["victim"].kv_soft_quota_blocks == 121  # weight share of 256 * 0.95 between two tenants of w=1

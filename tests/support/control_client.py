@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from fairshare.v1 import worker_pb2 as pb
+from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.waits import wait_for
 from tests.support.worker_control import SERVICE
 
 
@@ -51,6 +54,7 @@ class WorkerControl:
         self.addr = addr
         self.timeout_s = timeout_s
         self._channel = grpc.insecure_channel(addr)
+        self._worker = pb_grpc.WorkerStub(self._channel)
 
     def _call(self, method: str, **req) -> dict:
         fn = self._channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=lambda o: json.dumps(o).encode(),
@@ -81,10 +85,29 @@ class WorkerControl:
         finally:
             self.release()
 
-    def hold_when(self, event: str = "token", tenant: str | None = None, count: int = 1) -> dict:
-        """Arm a one-shot hold: it engages on the engine thread right after the `count`-th `event`
-        ("token": a committed output token, "finish": a finished request) of `tenant` (None: any) from now."""
-        return self._call("HoldWhen", event=event, tenant=tenant, count=count)
+    def hold_when(self, event: str = "token", tenant: str | None = None, count: int = 1, requests: int = 1) -> dict:
+        """Arm a one-shot hold that engages on the engine thread, in the iteration that reaches it:
+        event "token": once `requests` requests of `tenant` (None: any) have each committed `count`
+        output tokens since now; "finish": at the `count`-th request of `tenant` to finish from now."""
+        return self._call("HoldWhen", event=event, tenant=tenant, count=count, requests=requests)
+
+    def run_until_tokens(self, tenant: str, requests: int, tokens: int = 1) -> None:
+        """With the engine held and `requests` of `tenant`'s requests waiting: let it run until each has
+        committed `tokens` tokens (they are admitted together when they fit one batch), then hold again;
+        returns once held. The requests are then live on the worker, mid-generation, on any machine."""
+        waiting = lambda: (self.tenant_load(tenant) or {}).get("waiting", 0)  # noqa: E731
+        wait_for(lambda: waiting() >= requests, lambda: f"{requests} requests of {tenant} waiting; {waiting()} are")
+        self.hold_when("token", tenant=tenant, count=tokens, requests=requests)
+        self.release()
+        wait_for(lambda: self.state()["held"], f"engine held after {requests} requests of {tenant} had {tokens} tokens")
+
+    def tenant_load(self, tenant: str) -> dict | None:
+        """The worker's GetLoad figures of `tenant` (waiting, running, kv_blocks, output_tokens, ...)."""
+        load = self._worker.GetLoad(pb.GetLoadRequest(), timeout=self.timeout_s)
+        t = next((t for t in load.tenants if t.tenant_id == tenant), None)
+        if t is None:
+            return None
+        return {k: getattr(t, k) for k in ("waiting", "running", "kv_blocks", "output_tokens", "finished")}
 
     # ---- faults -------------------------------------------------------------------------------
     def inject(self, kind: str, *, tenant: str | None = None, prompt_contains: str | None = None,

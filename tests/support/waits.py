@@ -75,3 +75,14 @@ async def wait_for_async(predicate: Callable[[], Any], what: str | Callable[[], 
         if loop.time() > deadline:
             raise _failure(what, timeout_s, last, error)
         await asyncio.sleep(interval_s)
+
+
+def join_all(threads, what: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join `threads`; AssertionError naming `what` if one is still running after `timeout_s` in all
+    (instead of going on to fail later on results a live thread has not written yet)."""
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    if alive:
+        raise AssertionError(f"not finished within {timeout_s:g} s: {what} ({len(alive)} thread(s) still running)")

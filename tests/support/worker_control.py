@@ -7,8 +7,8 @@ wraps, on that one process's objects:
 - `engine.scheduler.schedule`: while the engine is *held* it schedules nothing, yet every iteration
   still drains the engine's inbox, so new requests appear as ``waiting`` in GetLoad and aborts are
   carried out (their blocks freed). A hold can be armed to engage by itself right after the N-th
-  committed token or finished request of a tenant (`HoldWhen`), on the engine thread, so that the
-  engine stops at an exact point of the work whatever the machine's speed.
+  committed token (of each of M requests) or finished request of a tenant (`HoldWhen`), on the
+  engine thread, so that the engine stops at an exact point of the work whatever the machine's speed.
 - `engine.runner.forward`: raises on its N-th call, or when its batch holds a request of a given
   tenant / id (optionally once that request has N output tokens): the engine's real failure path.
 - `engine.abort` and `engine.recorder`: an ordered event log (arrival, admit, token, abort_requested,
@@ -101,7 +101,7 @@ class TestControl:
         self.servicer_faults: list[dict] = []
         self.forward_calls = 0
         self._chunks: list = []
-        self._stall_release: asyncio.Event | None = None
+        self._stall_rules: list[dict] = []  # every stall rule not released yet (matched or not)
         self._install()
 
     # ---- wrappers -----------------------------------------------------------------------------
@@ -147,8 +147,9 @@ class TestControl:
                         if rule["kind"] == "error_after":
                             await context.abort(grpc.StatusCode.INTERNAL, "injected test fault: error mid-stream")
                         if rule["kind"] == "stall_after":
-                            self.record("stalled", request.request_id, self.clock(), tenant=request.tenant.id)
-                            await self._stall_event().wait()
+                            if not rule["released"].is_set():
+                                self.record("stalled", request.request_id, self.clock(), tenant=request.tenant.id)
+                                await rule["released"].wait()
                             rule = None  # released: relay the rest
                     yield msg
                     sent += 1
@@ -156,11 +157,6 @@ class TestControl:
                 await stream.aclose()  # the servicer's own clean-up: aborts the engine request if unfinished
 
         self.servicer.Generate = generate
-
-    def _stall_event(self) -> asyncio.Event:
-        if self._stall_release is None:
-            self._stall_release = asyncio.Event()
-        return self._stall_release
 
     # ---- events and triggers (engine thread and server thread) ---------------------------------
     def record(self, kind: str, request_id: str, t: float, **extra) -> None:
@@ -175,20 +171,26 @@ class TestControl:
             self.record("admit", request_id, t)
 
     def fire(self, kind: str, request_id: str) -> None:
-        """Count `kind` events for the armed hold triggers; engage the hold when one is reached."""
+        """Count `kind` events for the armed hold triggers; engage the hold when one is reached: for
+        "token", once `requests` of the tenant's requests each have `count` tokens since arming; for
+        "finish", at the tenant's `count`-th finished request."""
         tenant = self.tenant_of.get(request_id)
+        engaged = False
         with self._lock:
             for trig in list(self.triggers):
                 if trig["event"] != kind or (trig["tenant"] is not None and trig["tenant"] != tenant):
                     continue
-                trig["seen"] += 1
-                if trig["seen"] >= trig["count"]:
+                if kind == "token":
+                    per = trig["per_request"]
+                    per[request_id] = per.get(request_id, 0) + 1
+                    engaged = sum(1 for n in per.values() if n >= trig["count"]) >= trig["requests"]
+                else:
+                    trig["seen"] += 1
+                    engaged = trig["seen"] >= trig["count"]
+                if engaged:
                     self.triggers.remove(trig)
                     self.held = True
-                    engaged = True
                     break
-            else:
-                engaged = False
         if engaged:
             self.record("held", request_id, self.clock(), trigger=kind)
 
@@ -228,7 +230,7 @@ class TestControl:
                     rule["times"] -= 1
                     if rule["times"] <= 0:
                         self.servicer_faults.remove(rule)
-                return dict(rule)
+                return rule  # (a stall rule's `released` event is shared by the requests it stalls)
         return None
 
     def _prompt_text(self, request) -> str:
@@ -262,11 +264,12 @@ class TestControl:
         return self.state()
 
     def hold_when(self, req: dict) -> dict:
-        event, count = req.get("event", "token"), int(req.get("count", 1))
-        if event not in ("token", "finish") or count < 1:
-            raise ValueError(f"hold_when: event must be token or finish and count >= 1, got {event!r}, {count}")
+        event, count, requests = req.get("event", "token"), int(req.get("count", 1)), int(req.get("requests", 1))
+        if event not in ("token", "finish") or count < 1 or requests < 1:
+            raise ValueError(f"hold_when: event must be token or finish, count and requests >= 1; got {req}")
         with self._lock:
-            self.triggers.append({"event": event, "tenant": req.get("tenant"), "count": count, "seen": 0})
+            self.triggers.append({"event": event, "tenant": req.get("tenant"), "count": count, "requests": requests,
+                                  "seen": 0, "per_request": {}})
         return self.state()
 
     def inject(self, req: dict) -> dict:
@@ -279,19 +282,23 @@ class TestControl:
                 self.forward_faults.append(rule)
         elif kind in SERVICER_FAULTS:
             rule = {"kind": kind, "tenant": req.get("tenant"), "prompt_contains": req.get("prompt_contains"),
-                    "after": int(req.get("after", 0)), "times": None if times is None else int(times)}
+                    "after": int(req.get("after", 0)), "times": None if times is None else int(times),
+                    "released": asyncio.Event()}  # (created and set on the server's event loop)
             with self._lock:
                 self.servicer_faults.append(rule)
+                if kind == "stall_after":
+                    self._stall_rules.append(rule)
         else:
             raise ValueError(f"inject: unknown kind {kind!r} (forward_error, {', '.join(SERVICER_FAULTS)})")
         return self.state()
 
     def release_stalled(self, _req=None) -> dict:
+        """Resume every stream a stall rule stopped (or is about to stop) and disarm the stall rules."""
         with self._lock:
             self.servicer_faults = [r for r in self.servicer_faults if r["kind"] != "stall_after"]
-        if self._stall_release is not None:
-            self._stall_release.set()
-            self._stall_release = None  # later stalls wait on a fresh event
+            rules, self._stall_rules = self._stall_rules, []
+        for rule in rules:
+            rule["released"].set()
         return self.state()
 
     def reset(self, _req=None) -> dict:
