@@ -10,8 +10,8 @@ the start: the two demo tenants exactly as `fairshare up` writes them on a first
 - `tiny`: a small tokens-per-minute limit (429 tests),
 - `lease`: a small in-flight token budget (disconnect tests, OA7).
 
-The worker runs at most 4 sequences at once (`--max-running 4`), so that 16 outstanding streams
-(8 per fairness tenant) keep both tenants backlogged in the worker's queue.
+The worker runs at most 4 sequences at once (`--max-running 4`), so that 20 outstanding streams
+(10 per fairness tenant) keep both tenants backlogged in the worker's queue.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def _whole_budget_request(platform) -> None:
 def test_case_oa7_stream_disconnect_frees_capacity(platform, worker_stub):
     c = client(platform, "lease")
     start = tenant_load(worker_stub).get("lease")
-    before = start.output_tokens if start is not None else 0
+    tokens0 = start.output_tokens if start is not None else 0
     stream = c.chat.completions.create(
         model=platform.model, max_tokens=BIG, stream=True,
         messages=[{"role": "user", "content": "Write a very long story about a lighthouse keeper."}])
@@ -152,7 +152,7 @@ def test_case_oa7_stream_disconnect_frees_capacity(platform, worker_stub):
     # the worker aborts it: nothing of `lease` left running, waiting or holding KV blocks (the bound, a
     # second, is checked on the worker's own event log in tests/integration/test_case_oa.py)
     took = _wait_tenant_idle(worker_stub, "lease")
-    assert tenant_load(worker_stub)["lease"].output_tokens - before < BIG  # it was stopped, not run to its end
+    assert tenant_load(worker_stub)["lease"].output_tokens - tokens0 < BIG  # it was stopped, not run to its end
     _whole_budget_request(platform)
     print(f"\n[e2e] OA7 streamed: worker idle {took:.2f} s after the disconnect")
 
@@ -174,14 +174,18 @@ def test_case_oa7_non_streamed_timeout_frees_capacity(platform, worker_stub):
 # Fairness: both demo tenants backlogged for 60 s of generation
 # ---------------------------------------------------------------------------------------------
 
-FAIR_STREAMS = 6  # per tenant; the worker runs at most MAX_RUNNING (4) sequences, so both stay queued
+# Per tenant. The worker runs at most MAX_RUNNING (4) sequences, globex about 3 of them; the rest of
+# each tenant's streams wait at the worker, and this depth must outlast the client's own delay between
+# one response's end and the next request's arrival (seconds on a loaded machine), or the tenant is
+# not backlogged at some decisions and the split drifts from its weights.
+FAIR_STREAMS = 10
 FAIR_WINDOW_S = 60.0  # at least this much generation inside the measured window
 # The scheduler decides at admission, so service moves in steps of about one request (~170 units:
-# ~40 prompt tokens + 2 x ~64 output tokens). On a slow machine 60 s may hold only a few of acme's
-# requests; the window then goes on until acme has received this much, so that one step is small
-# against the total: the window is sized by service, not by time, so the verdict does not depend on
-# the machine's speed. FAIR_WAIT_S only catches a stalled worker.
-FAIR_MIN_ACME_SERVICE = 1500.0
+# ~40 prompt tokens + 2 x ~64 output tokens), and VTC bounds the weighted-service gap between two
+# backlogged tenants by about two such steps whatever the window. The window goes on until acme has
+# received this much, so that gap stays well inside the ±15% tolerance: it is sized by service, not
+# by time, so the verdict does not depend on the machine's speed. FAIR_WAIT_S only catches a stall.
+FAIR_MIN_ACME_SERVICE = 3000.0
 FAIR_WAIT_S = 480.0
 
 
@@ -219,7 +223,7 @@ async def _tenant_loop(platform, tenant: str, stop: asyncio.Event, stats: dict) 
 
 
 def test_weighted_fair_share_60s(platform, worker_stub):
-    """acme (weight 1) and globex (weight 3) each keep 6 streams outstanding (max_tokens ~64) on a
+    """acme (weight 1) and globex (weight 3) each keep 10 streams outstanding (max_tokens ~64) on a
     worker that runs 4 at a time, for at least 60 s of generation.
 
     The window opens once both tenants have work queued at the worker and the requests admitted before
