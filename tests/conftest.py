@@ -113,16 +113,19 @@ def control(worker_addr):
 # -- gateway fixtures (gateway/ tests) ---------------------------------------------------------------
 
 def wait_ready(base_url: str, timeout_s: float = 120.0) -> None:
-    """Wait until the gateway at `base_url` answers /readyz with 200 (AssertionError after `timeout_s`)."""
+    """Wait until the gateway at `base_url` answers /readyz with 200 and has polled every worker it
+    was given to a healthy answer (whether their tokenizers agree is the tests' business), so that no
+    test depends on how soon a first poll came back (AssertionError after `timeout_s`)."""
+    import json
     import urllib.request
 
     from tests.support.waits import wait_for
 
     def ready() -> bool:
         with urllib.request.urlopen(base_url + "/readyz", timeout=5) as r:
-            return r.status == 200
+            return r.status == 200 and all(w["healthy"] for w in json.loads(r.read())["workers"])
 
-    wait_for(ready, f"gateway {base_url} ready (/readyz 200)", timeout_s, interval_s=0.05, ignore=(OSError,))
+    wait_for(ready, f"gateway {base_url} ready, every worker healthy", timeout_s, interval_s=0.05, ignore=(OSError,))
 
 GATEWAY_TEST_SECRET = "gateway-test-secret"
 

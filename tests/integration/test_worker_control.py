@@ -75,6 +75,17 @@ def test_forward_error_fails_the_batch_through_the_engine(worker_addr, control):
     assert collect(stub, gen_request("ctl-fwd", list(range(70, 90)), max_tokens=4))[2].usage.completion_tokens == 4
 
 
+def test_forward_error_on_the_nth_forward_from_now(worker_addr, control):
+    stub = stub_for(worker_addr)
+    wait_idle(stub)
+    control.inject("forward_error", nth=3)  # prefill (1st forward, 1st token), one decode, then the failure
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub, gen_request("ctl-nth", list(range(300, 320)), max_tokens=10))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    (r,) = control.requests(tenant="ctl-nth").values()
+    assert len(r.tokens) == 2 and r.reason == "abort"
+
+
 @pytest.mark.parametrize("kind,after", [("reject", 0), ("error_after", 2)])
 def test_servicer_faults_match_tenant_and_prompt(worker_addr, control, kind, after):
     stub = stub_for(worker_addr)

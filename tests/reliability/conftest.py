@@ -152,15 +152,23 @@ def write_tenants(d: Path, tenants: list[dict]) -> tuple[Path, dict[str, str]]:
 
 
 def wait_ready(base_url: str, timeout_s: float = DEFAULT_TIMEOUT_S, proc: subprocess.Popen | None = None) -> None:
+    """Until the gateway is ready and routes to every worker it was given (each healthy and agreeing):
+    the tests spread requests over the workers, so one still unpolled (a first poll that came too
+    late on a loaded machine) must not leave them all on the other."""
+    last = {}
+
     def ready():
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode}")
         try:
-            return httpx.get(base_url + "/readyz", timeout=5).status_code == 200
+            r = httpx.get(base_url + "/readyz", timeout=5)
         except (httpx.HTTPError, OSError):
             return False
+        last["body"] = r.text[:1000]
+        return r.status_code == 200 and all(w["healthy"] and w["agrees"] for w in r.json()["workers"])
 
-    wait_for(ready, f"gateway {base_url} ready (/readyz 200)", timeout_s)
+    wait_for(ready, lambda: f"gateway {base_url} ready with every worker usable; /readyz {last.get('body')}",
+             timeout_s)
 
 
 # -- gateways --------------------------------------------------------------------------------------------
