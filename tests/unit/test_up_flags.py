@@ -27,9 +27,11 @@ def commands(*argv: str):
 def test_pass_through_flags_reach_their_child_as_typed_and_parse_there():
     args, w, g = commands("--max-model-len", "512", "--policy", "drr", "--kv-quota", "--kv-soft-quota", "acme=0.5",
                           "--kv-soft-quota", "batch=0.25", "--no-prefix-cache", "--model-name", "tiny-chat",
-                          "--lease-ttl-s", "4", "--request-timeout-s", "30", "--otel-exporter", "console")
+                          "--lease-ttl-s", "4", "--request-timeout-s", "30", "--otel-exporter", "console",
+                          "--dtype", "bfloat16", "--quantization", "int8")
     wa = worker_parser().parse_args(w)
     assert (wa.max_model_len, wa.policy, wa.kv_quota, wa.model_name) == (512, "drr", True, "tiny-chat")
+    assert (wa.dtype, wa.quantization) == ("bfloat16", "int8")
     assert wa.kv_soft_quota == [("acme", 0.5), ("batch", 0.25)] and wa.no_prefix_cache is True
     assert wa.metrics_port == args.worker_metrics_port and wa.metrics_host == "127.0.0.1"
     assert wa.otel_exporter == "console"
@@ -43,7 +45,7 @@ def test_flags_not_given_are_not_passed_so_the_children_keep_their_defaults():
     _, w, g = commands()
     wa = worker_parser().parse_args(w)
     assert wa.policy == "vtc" and wa.kv_quota is False and wa.max_model_len is None
-    assert not [a for a in w if a.startswith("--kv") or a in ("--policy", "--max-running")]
+    assert not [a for a in w if a.startswith("--kv") or a in ("--policy", "--max-running", "--dtype", "--quantization")]
     assert "--lease-ttl-s" not in g
     _, w, _ = commands("--no-kv-quota")
     assert "--no-kv-quota" in w
