@@ -195,12 +195,16 @@ def _hf_tok_s(hf_model, batch: int, prompt_len: int, new_tokens: int) -> float:
 
 
 def _row(name: str, b: int, result: tuple[float, int, float], weight_bytes: int, new_tokens: int) -> str:
-    """One result line: tok/s, weight MB read per output token, implied GB/s of weight reads, CPU share."""
+    """One result line: tok/s, weight MB read per output token, implied GB/s of weight reads, CPU share,
+    and tok/s over the CPU share (output tokens per CPU-second per thread: what the run would reach
+    with its threads' cores to itself, if other processes cost it only CPU time, not memory bandwidth
+    or cache; comparable between engines measured minutes apart on a shared machine)."""
     tok_s, steps, cpu_share = result
     step_s = (b * new_tokens / tok_s) / max(steps, 1)  # seconds per forward step (wall / steps)
     per_token = weight_bytes / b
     return (f"{name:<17} batch {b:>3}: {tok_s:8.1f} output tok/s  {per_token / 1e6:7.1f} MB weights/token  "
-            f"{weight_bytes / step_s / 1e9:6.1f} GB/s  (cpu share {cpu_share:.2f})")
+            f"{weight_bytes / step_s / 1e9:6.1f} GB/s  (cpu share {cpu_share:.2f}; "
+            f"{tok_s / max(cpu_share, 1e-9):7.1f} tok/s per full share)")
 
 
 def bench_engine(argv: list[str]) -> int:
@@ -250,8 +254,9 @@ def bench_engine(argv: list[str]) -> int:
             print(f"llama.cpp RSS: {cpp['rss_idle_mb']:,.0f} MiB idle after loading, {cpp['rss_peak_mb']:,.0f} MiB "
                   f"peak", flush=True)
             for b in params["batches"]:
-                ratio = ours["results"][b][0] / cpp["results"][b][0]
-                print(f"ratio fairshare/llama.cpp at batch {b:>3}: {ratio:.2f}x", flush=True)
+                (a, _, sa), (c, _, sc) = ours["results"][b], cpp["results"][b]
+                print(f"ratio fairshare/llama.cpp at batch {b:>3}: {a / c:.2f}x wall, "
+                      f"{(a / max(sa, 1e-9)) / (c / max(sc, 1e-9)):.2f}x per full CPU share", flush=True)
     if args.hf_batch:
         from worker.models import load_model
 
