@@ -35,6 +35,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from worker.scheduling.cost import make_cost
 from worker.scheduling.policy import make_policy
+from worker.scheduling.tiers import TierShares
 
 log = logging.getLogger("fairshare.engine")
 
@@ -52,6 +53,11 @@ class EngineConfig:
     kv_cache_mb). max_model_len: context limit (None: the model's).
     returning_preemption: a tenant returning below its slot share gets a running slot at once,
     preempting an over-share tenant (worker/scheduling/returning.py; never under FCFS).
+    tier_scheduling: strict priority across tiers with minimum shares (False: tier-blind, every
+    tenant in one tier; worker/scheduling/tiers.py). tier_min_shares: lower tier -> minimum share
+    of service (missing tiers: 5 %). decode_token_target: decodes per iteration before they are
+    shared by tier and weight (None: the token budget, so nothing is capped;
+    worker/scheduling/decode_share.py).
     kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
     fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
     admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
@@ -83,6 +89,9 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str = "cpu"
     returning_preemption: bool = True
+    tier_scheduling: bool = True
+    tier_min_shares: dict = field(default_factory=dict)
+    decode_token_target: int | None = None
     kv_quota: bool = False
     kv_watermark: float = 0.8
     kv_headroom: float = 0.05
@@ -166,10 +175,13 @@ class Engine:
         options = {"quantum": cfg.drr_quantum} if cfg.policy == "drr" else {}
         self.policy = make_policy(cfg.policy, self.cost, **options)
         self.quota = KVQuota(cfg.quota_config(), runner.num_kv_blocks) if cfg.kv_quota else None
+        self.tiers = TierShares(cfg.tier_min_shares, floor_units=self.cost.max_prefill_rate * cfg.max_num_batched_tokens / 2,
+                                enabled=cfg.tier_scheduling)
         self.scheduler = Scheduler(self.policy, self.cost, self.block_manager, cfg.max_num_batched_tokens,
                                    cfg.max_running, prefill_slice=cfg.prefill_slice, max_skips=cfg.max_skips,
                                    clock=self.clock, quota=self.quota,
-                                   returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs")
+                                   returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
+                                   tiers=self.tiers, decode_token_target=cfg.decode_token_target)
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
         pool_tokens = runner.num_kv_blocks * runner.block_size
@@ -533,6 +545,7 @@ class Engine:
                 tenants[-1].update(self.quota.state(tid, c["kv_blocks"]))
         inflight = sum(len(s.prompt_token_ids) + s.max_tokens - len(s.output_token_ids)
                        for s in list(self.scheduler.by_id.values()))
+        core = self.scheduler.core
         return {
             "waiting": self.scheduler.num_waiting(), "running": len(self.scheduler.running),
             "kv_blocks_used": self.block_manager.num_used, "kv_blocks_total": self.block_manager.num_blocks,
@@ -540,7 +553,9 @@ class Engine:
             "iterations": self.scheduler.stats.iterations, "inflight_tokens": inflight,
             "kv_quota": self.quota is not None, "preemptions": self.scheduler.stats.preemptions,
             "reclaim_preemptions": self.scheduler.reclaim_preemptions,
-            "returning_preemptions": getattr(self.scheduler.returning, "preemptions", 0),
+            "returning_preemptions": core.stats.preemptions["returning"],
+            "preemptions_by_reason": dict(core.stats.preemptions),
+            "tier_scheduling": self.tiers.enabled, "tiers": core.tier_snapshot(),
         }
 
 
