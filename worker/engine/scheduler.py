@@ -223,7 +223,7 @@ class Scheduler:
             seq = e.handle
             while e.running and not self.blocks.can_allocate(seq, 1):
                 victim = core.decode_victim(e)
-                core.preempt(victim, OUT_OF_BLOCKS)
+                core.preempt(victim, OUT_OF_BLOCKS, e)
             if not e.running:
                 continue
             self.blocks.allocate(seq, 1)

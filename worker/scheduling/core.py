@@ -203,6 +203,7 @@ class SchedulingCore:
         self._unfit: dict[str, tuple[str, int]] = {}
         self._touched: set[str] = set()
         self.no_burst: set[str] = set()    # tenants preempted by reclaim this iteration (quota rule)
+        self._listeners: list = []
         policy.subscribe(self._on_policy_change)
         from worker.scheduling.preemption import RoomMaker
 
@@ -251,10 +252,18 @@ class SchedulingCore:
         self._dirty.add(ts.tenant_id)
         return e
 
-    def preempt(self, e: Entry, reason: str) -> None:
-        """Recompute preemption of running `e` for `reason`: the executor frees its blocks, it goes
-        back to the front of its tenant's queue (ahead of the tenant's newer work)."""
+    def subscribe(self, listener) -> None:
+        """Call `listener(victim, reason, requester)` on every preemption, before it is carried out
+        (`requester`: the entry the room was made for, None for a stall)."""
+        self._listeners.append(listener)
+
+    def preempt(self, e: Entry, reason: str, requester: Entry | None = None) -> None:
+        """Recompute preemption of running `e` for `reason` (on behalf of `requester`): the
+        executor frees its blocks, it goes back to the front of its tenant's queue (ahead of the
+        tenant's newer work)."""
         assert e.running, "only running requests are preempted"
+        for listener in self._listeners:
+            listener(e, reason, requester)
         blocks = self.executor.blocks_held(e.handle)
         promise = self.executor.blocks_promised(e.handle)
         self.executor.preempt(e.handle)
@@ -341,14 +350,15 @@ class SchedulingCore:
     # ---- one iteration: room first ---------------------------------------------------------------
     def begin_iteration(self, free_blocks: int, promised_blocks: int) -> None:
         """Start an iteration: the executor's free and promised blocks; holds of the last iteration
-        end; quota reclaim, tier preemption and returning tenants make room (preempting through the
-        executor)."""
+        end; room is held for a lower tier owed its minimum share; quota reclaim, tier preemption
+        and returning tenants make room (preempting through the executor)."""
         self.iteration += 1
         self.stats.iterations += 1
         self.ledger.new_iteration()
         self.ledger.sync(free_blocks, promised_blocks, len(self.running))
         self.no_burst = set()
         self._refresh()
+        self.room.for_owed_tiers()
         if self.quota is not None:
             self.room.reclaim()
         self.room.for_higher_tiers()
@@ -393,8 +403,7 @@ class SchedulingCore:
 
     # ---- the prefill round -----------------------------------------------------------------------
     def begin_prefill(self, budget: int, free_blocks: int, promised_blocks: int) -> None:
-        """Start handing out `budget` prefill tokens (the executor's free and promised blocks now).
-        Holds room for the head of a lower tier owed its minimum share."""
+        """Start handing out `budget` prefill tokens (the executor's free and promised blocks now)."""
         self._budget = budget
         self._alloc = {}
         self._out = set()
@@ -402,7 +411,6 @@ class SchedulingCore:
         self._unfit = {}
         self.ledger.sync(free_blocks, promised_blocks, len(self.running))
         self._refresh()
-        self.room.for_owed_tiers()
 
     def next_prefill(self) -> Entry | None:
         """The request that gets the next slice: a running partial prefill or a waiting head (which

@@ -16,8 +16,15 @@ account, in KV blocks and running slots:
                preemption, or held for a lower tier owed its minimum share
     headroom   blocks admissions may never use (KV quotas: the reserved system headroom)
 
-    room for an admission of request r of tenant t = free − promised − headroom − holds not for r/t
-    free slots for r                               = max_running − running − slot holds not for r/t
+    room for an admission of request r of tenant t = free − promised − headroom − holds ahead of r
+    free slots for r                               = max_running − running − slot holds ahead of r
+
+Holds are kept in the order they were made, and *ahead of r* means: every hold made before the
+first hold for r (or for its tenant), or every hold when r has none. A hold is made either for room
+that is there when it is made (reclaim, tier, returning: the holds ahead of it already counted) or
+for room that is not free yet (the reservation, a minimum share); a holder never waits on a hold
+made after its own, so holds cannot wait on each other in a circle (a deadlock the state machine in
+tests/unit/test_core_properties.py found when every hold counted against every other).
 
 Running requests (decodes, admitted prefills) never ask the ledger: they already hold their place
 (their promised blocks are theirs). Pure bookkeeping on ids and counts (no torch, no grpc).
@@ -132,12 +139,14 @@ class KVLedger:
         self.holds = [h for h in self.holds if h.kind == RESERVATION]
 
     def held_for_others(self, tenant_id: str, request_id: str) -> tuple[int, int]:
-        """(slots, blocks) held for anyone but this request of this tenant."""
+        """(slots, blocks) held ahead of this request of this tenant: by the holds made before its
+        own first hold (all holds when it has none)."""
         slots = blocks = 0
         for h in self.holds:
-            if not h.is_for(tenant_id, request_id):
-                slots += h.slots
-                blocks += h.blocks
+            if h.is_for(tenant_id, request_id):
+                break
+            slots += h.slots
+            blocks += h.blocks
         return slots, blocks
 
     def held_for(self, tenant_id: str, request_id: str) -> tuple[int, int]:

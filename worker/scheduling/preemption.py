@@ -115,10 +115,10 @@ class RoomMaker:
         ex = self.core.executor
         return ex.blocks_held(e.handle) + ex.blocks_promised(e.handle)
 
-    def _carry_out(self, plan: list, reason: str) -> None:
+    def _carry_out(self, plan: list, reason: str, requester: "Entry") -> None:
         core = self.core
         for e in plan:
-            core.preempt(e, reason)
+            core.preempt(e, reason, requester)
         core.ledger.free = core.executor.free_blocks()
 
     def _room_for(self, e: "Entry", need: int, freed: int = 0, freed_slots: int = 0) -> bool:
@@ -160,7 +160,7 @@ class RoomMaker:
                     break
                 over[victim_tenant] -= core.executor.blocks_held(victim.handle)
                 pool.remove(victim)
-                self._carry_out([victim], "reclaim")
+                self._carry_out([victim], "reclaim", head)
                 core.no_burst.add(victim_tenant)
             if need <= ledger.room(ts.tenant_id, head.request_id):
                 ledger.hold(L.RECLAIM, ts.tenant_id, None, 1, need)
@@ -169,8 +169,9 @@ class RoomMaker:
     def for_higher_tiers(self) -> None:
         """Strict priority when slots or KV blocks are short: for the heads of each tier above the
         lowest, in the order the core would admit them and up to one prefill chunk of their
-        prompts, hold a slot and their KV need; where that room is not free, preempt running work
-        of lower, preemptible tiers (lowest tier first, newest admission first) if that makes it."""
+        prompts, where no slot or KV room is free (after the room the heads before it will take),
+        preempt running work of lower, preemptible tiers (lowest tier first, newest admission
+        first) if that makes the room, and hold it for that head."""
         core = self.core
         if not core.tiers.enabled:
             return
@@ -184,49 +185,45 @@ class RoomMaker:
             victims = sorted((e for e in core.running.values() if e.tenant.sched_tier in lower),
                              key=lambda e: (RANK[e.tenant.sched_tier], not e.protected, e.order))
             budget = core.chunk_tokens
+            planned_slots = planned_blocks = 0  # taken by the heads before this one that fit as it is
             for head in core.projected_heads(tier):
-                if budget <= 0:
+                if budget <= 0 or not victims:
                     break
                 need = core.executor.admission_need(head.handle)
                 if core.quota is not None and not core.gate.holds(head.request_id) \
                         and self.quota_refusal(head.tenant, need) is not None:
                     break  # its quota holds it back: not a case for preemption
+                budget -= max(1, core.executor.prefill_left(head.handle))
+                if self._room_for(head, need + planned_blocks, 0, -planned_slots):
+                    planned_slots, planned_blocks = planned_slots + 1, planned_blocks + need
+                    continue
                 plan, freed = [], 0
-                while not self._room_for(head, need, freed, len(plan)) and victims:
+                while not self._room_for(head, need + planned_blocks, freed, len(plan) - planned_slots) and victims:
                     v = victims.pop()   # lowest tier, then newest admission (reserved ones last)
                     plan.append(v)
                     freed += self._freed(v)
-                if not self._room_for(head, need, freed, len(plan)):
-                    victims.extend(reversed(plan))
-                    break
-                if plan:
-                    self._carry_out(plan, "tier")
+                if not self._room_for(head, need + planned_blocks, freed, len(plan) - planned_slots):
+                    break  # the lower tiers cannot make the room: preempt nothing for it
+                self._carry_out(plan, "tier", head)
                 core.ledger.hold(L.TIER, head.tenant_id, head.request_id, 1, need)
-                budget -= max(1, core.executor.prefill_left(head.handle))
 
     # ---- minimum shares --------------------------------------------------------------------------
     def for_owed_tiers(self) -> None:
-        """Hold a slot and KV room for the next head of the lower tier most owed its minimum share
-        when that head does not fit now, so that higher tiers' admissions do not take the room
-        that frees up. One such hold at a time, none while another tier's tenant holds the
-        eligibility reservation (two holds for room that is not free could wait on each other)."""
+        """Hold a slot and KV room for the next head of the lower tier most owed its minimum
+        share, so that higher tiers' admissions (and their tier preemptions, planned after this
+        hold) do not take the room before it, and the room that frees up goes to it."""
         core = self.core
         owed = core.tiers.owed_tiers()
         if not owed:
             return
-        tier = owed[0]
-        r = core.ledger.reservation()
-        if r is not None and core.tenants[r.tenant_id].tier != tier:
-            return
-        head = next(core.projected_heads(tier), None)
+        head = next(core.projected_heads(owed[0]), None)
         if head is None:
-            return
+            return  # its work is running prefills: the round serves them first
         need = core.executor.admission_need(head.handle)
         if core.quota is not None and not core.gate.holds(head.request_id) \
                 and self.quota_refusal(head.tenant, need) is not None:
             return
-        if not core.ledger.fits(head.tenant_id, head.request_id, need):
-            core.ledger.hold(L.MIN_SHARE, head.tenant_id, head.request_id, 1, need)
+        core.ledger.hold(L.MIN_SHARE, head.tenant_id, head.request_id, 1, need)
 
     # ---- returning tenants -----------------------------------------------------------------------
     def for_returning(self) -> None:
@@ -302,7 +299,7 @@ class RoomMaker:
             sim_running[victim.tenant_id] -= 1
             freed += self._freed(victim)
         if plan:
-            self._carry_out(plan, "returning")
+            self._carry_out(plan, "returning", head)
         for victim in plan:
             running[victim.tenant_id] -= 1
             ret.preemptions += 1
