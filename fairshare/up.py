@@ -4,6 +4,7 @@
 
     fairshare up [--host 127.0.0.1] [--port 8000] [--worker-port 50051] [--redis-port 6390]
                  [--model smollm2] [--policy vtc] [--max-running N] [--kv-quota | --no-kv-quota]
+                 [--tier-min-share TIER=FRAC ...] [--decode-token-target N]
                  [--state-dir DIR] [--verbose]
 
 What it does, in order:
@@ -408,6 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-quota", action=argparse.BooleanOptionalAction, default=None,
                    help="per-tenant KV quotas in the worker (fairshare worker --kv-quota; default: the worker's, "
                         "off; docs/memory-isolation.md)")
+    from worker.cli import _positive, _tier_share  # the worker's own checks: a bad value is a usage error here
+
+    p.add_argument("--tier-min-share", type=_tier_share, action="append", default=None, metavar="TIER=FRAC",
+                   help="minimum share of service of a lower tier, passed to the worker (repeatable; default: the "
+                        "worker's, batch=0.05 background=0.05; docs/fairness.md)")
+    p.add_argument("--decode-token-target", type=_positive(int), default=None, metavar="N",
+                   help="most decodes per iteration before they are shared by tier and weight (default: the "
+                        "worker's, i.e. not capped; docs/fairness.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the worker's and gateway's logs")
     return p
 
@@ -421,6 +430,10 @@ def worker_command(args) -> list[str]:
         cmd += ["--max-running", str(args.max_running)]
     if args.kv_quota is not None:
         cmd.append("--kv-quota" if args.kv_quota else "--no-kv-quota")
+    for tier, share in args.tier_min_share or []:
+        cmd += ["--tier-min-share", f"{tier}={share:g}"]
+    if args.decode_token_target is not None:
+        cmd += ["--decode-token-target", str(args.decode_token_target)]
     return cmd
 
 

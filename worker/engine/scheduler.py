@@ -100,6 +100,9 @@ class Scheduler:
         n = seq.num_tokens - seq.num_computed_tokens
         return n if n > 1 else 0
 
+    def prefill_room(self, seq: Sequence, have: int) -> int:
+        return self._room(seq, have)
+
     def free_blocks(self) -> int:
         return self.blocks.num_free
 

@@ -86,6 +86,10 @@ class Executor(Protocol):
         """Tokens a running request still has to prefill before it decodes (0 when decoding: one
         token left is a decode). For a waiting request: its whole prefill."""
 
+    def prefill_room(self, handle, have: int) -> int:
+        """Tokens a running prefill can still get into its blocks and the free pool, beyond the
+        `have` tokens it was given this round (0: it cannot take a slice now)."""
+
     def free_blocks(self) -> int:
         """Blocks an allocation can get now (free list plus evictable cached blocks)."""
 
@@ -420,18 +424,20 @@ class SchedulingCore:
             tier = self.tiers.pick(live)
             if tier is None:
                 return None
-            ts = self._pop(tier)
-            if ts is None:
+            head = self._pop(tier)
+            if head is None:
                 self._dead.add(tier)
                 continue
-            head = self._head(ts)
-            if head is None:
-                self._out.add(ts.tenant_id)
-                continue
-            if not head.running and not self.admissible(head):
-                self._out.add(ts.tenant_id)
-                continue
             return head
+        return None
+
+    def _servable_head(self, ts: TenantState) -> Entry | None:
+        """The tenant's head if it can be served now (else the tenant leaves this round)."""
+        head = self._head(ts)
+        if head is not None and (self.executor.prefill_room(head.handle, self._alloc.get(head.request_id, 0)) > 0
+                                 if head.running else self.admissible(head)):
+            return head
+        self._out.add(ts.tenant_id)
         return None
 
     def admissible(self, e: Entry) -> bool:
@@ -535,7 +541,7 @@ class SchedulingCore:
         return ts.waiting[0] if ts.waiting else None
 
     def _key(self, ts: TenantState) -> tuple:
-        head = ts.partials[0] if ts.partials else (ts.waiting[0] if ts.waiting else None)
+        head = self._head(ts)
         return self.policy.key(ts.tenant_id, head.arrival if head is not None else 0.0)
 
     def _refresh(self) -> None:
@@ -563,25 +569,30 @@ class SchedulingCore:
         if self._keyed:
             heapq.heappush(self._heaps[ts.sched_tier], (self._key(ts), ts.ver, ts.tenant_id))
 
-    def _pop(self, tier: str) -> TenantState | None:
-        """The policy's first tenant of `tier` still in this round (None when there is none)."""
+    def _pop(self, tier: str) -> Entry | None:
+        """The servable head of the policy's first tenant of `tier` still in this round (None when
+        there is none). Keyed policies: the heap's first tenant whose head is servable. Others
+        (DRR): the policy picks among the tenants whose heads are servable now, as DRR rounds need."""
         if not self._keyed:
-            cands = [t for t in self._pending[tier] if t not in self._out and self.tenants[t].has_candidates()]
-            if not cands:
-                return None
-            arrival = {}
-            for t in cands:
-                ts = self.tenants[t]
-                head = ts.partials[0] if ts.partials else ts.waiting[0]
-                arrival[t] = head.arrival
-            return self.tenants[self.policy.pick(cands, arrival)]
+            cands, arrival, heads = [], {}, {}
+            for t in sorted(self._pending[tier]):
+                if t in self._out:
+                    continue
+                head = self._servable_head(self.tenants[t])
+                if head is not None:
+                    cands.append(t)
+                    heads[t] = head
+                    arrival[t] = head.arrival
+            return heads[self.policy.pick(cands, arrival)] if cands else None
         heap = self._heaps[tier]
         while heap:
             _, ver, tid = heapq.heappop(heap)
             ts = self.tenants[tid]
             if ver != ts.ver or tid in self._out:
                 continue
-            return ts
+            head = self._servable_head(ts)
+            if head is not None:
+                return head
         return None
 
     # ---- projections (what the policy would admit, memory aside) ---------------------------------
