@@ -117,7 +117,9 @@ class RequestOutput:
     token_ids: tokens committed since the last output. text_delta: complete UTF-8 text since the
     last output. finish_reason: set once, on the last output. queued_s / first_token_s: seconds
     from arrival at the worker to first scheduling / first output token. error: set when the
-    engine failed the request (then finish_reason is ABORT).
+    engine failed the request (then finish_reason is ABORT). queued_iterations /
+    first_token_iterations: the same in engine iterations (how many iterations started after the
+    request reached the engine until it was first scheduled / its first token committed).
     """
 
     request_id: str
@@ -129,6 +131,8 @@ class RequestOutput:
     cached_tokens: int = 0
     queued_s: float | None = None
     first_token_s: float | None = None
+    queued_iterations: int | None = None
+    first_token_iterations: int | None = None
     error: str | None = None
 
 
@@ -284,6 +288,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
             if kind == "add":
+                item.arrival_iteration = self.scheduler.core.iteration
                 self._prepare(item)
                 if self.cache is not None:
                     self.cache.set_weight(item.tenant_id, item.weight)  # its share of the cache
@@ -393,6 +398,7 @@ class Engine:
             self.recorder.on_token(seq.request_id, now, units)
         if seq.first_token_time is None:
             seq.first_token_time = now
+            seq.first_token_iteration = self.scheduler.core.iteration
         reason = None
         params = seq.sampling
         if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
@@ -474,6 +480,10 @@ class Engine:
             cached_tokens=seq.num_cached_tokens,
             queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
             first_token_s=None if seq.first_token_time is None else self._first_token_s(seq),
+            queued_iterations=None if seq.first_scheduled_iteration is None
+            else seq.first_scheduled_iteration - seq.arrival_iteration,
+            first_token_iterations=None if seq.first_token_iteration is None
+            else seq.first_token_iteration - seq.arrival_iteration,
             error=error,
         )
         if final:
@@ -540,6 +550,7 @@ class Engine:
                 "finished": self.scheduler.finished_by_tenant.get(tid, 0),
                 "preemptions": self.scheduler.preemptions_by_tenant.get(tid, 0),
                 "quota_waits": self.scheduler.quota_waits.get(tid, 0),
+                "backlogged": acct.backlogged,
             })
             if self.quota is not None:
                 tenants[-1].update(self.quota.state(tid, c["kv_blocks"]))
@@ -556,6 +567,7 @@ class Engine:
             "returning_preemptions": core.stats.preemptions["returning"],
             "preemptions_by_reason": dict(core.stats.preemptions),
             "tier_scheduling": self.tiers.enabled, "tiers": core.tier_snapshot(),
+            "decode_token_target": core.decode_token_target,
         }
 
 

@@ -281,6 +281,7 @@ class Scheduler:
         seq.admitted_order = order
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.clock()
+            seq.first_scheduled_iteration = self.core.iteration
 
     def _charge_cached(self, chunks: dict[str, ScheduledChunk], seq: Sequence) -> None:
         """Charge, at the cost function's cached rate, the prompt positions just served from the

@@ -644,16 +644,19 @@ class SchedulingCore:
 
     def tier_snapshot(self) -> dict[str, dict]:
         """Per tier: service units charged, share of all service, minimum share, deficit, whether
-        backlogged, blocked iterations, waiting and running requests."""
+        backlogged, blocked iterations, waiting and running requests, preemptions of its requests."""
         shares = self.tiers.shares_of_service()
         waiting = {t: 0 for t in TIERS}
+        preemptions = {t: 0 for t in TIERS}
         for ts in self.tenants.values():
             waiting[ts.tier] += len(ts.waiting)
+            preemptions[ts.tier] += self.stats.preemptions_by_tenant.get(ts.tenant_id, 0)
         return {t: {"service": self.tiers.service.get(t, 0.0), "service_share": shares[t],
                     "min_share": self.tiers.min_share.get(t, 0.0), "deficit": self.tiers.deficit.get(t, 0.0),
                     "backlogged": self.tiers.backlogged.get(t, False),
                     "blocked_iterations": self.tiers.blocked_iterations.get(t, 0),
-                    "waiting": waiting[t], "running": self._running_by_tier[t]} for t in TIERS}
+                    "waiting": waiting[t], "running": self._running_by_tier[t],
+                    "preemptions": preemptions[t]} for t in TIERS}
 
 
 def _remove(items: deque, e: Entry) -> None:
