@@ -4,7 +4,7 @@
 
     fairshare up [--host 127.0.0.1] [--port 8000] [--worker-port 50051] [--redis-port 6390]
                  [--model smollm2] [--policy vtc] [--max-running N] [--kv-quota | --no-kv-quota]
-                 [--tier-min-share TIER=FRAC ...] [--decode-token-target N]
+                 [--tier-min-share TIER=FRAC ...] [--iteration-token-target N]
                  [--state-dir DIR] [--verbose]
 
 What it does, in order:
@@ -414,9 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier-min-share", type=_tier_share, action="append", default=None, metavar="TIER=FRAC",
                    help="minimum share of service of a lower tier, passed to the worker (repeatable; default: the "
                         "worker's, batch=0.05 background=0.05; docs/fairness.md)")
-    p.add_argument("--decode-token-target", type=_positive(int), default=None, metavar="N",
-                   help="most decodes per iteration before they are shared by tier and weight (default: the "
-                        "worker's, i.e. not capped; docs/fairness.md)")
+    p.add_argument("--iteration-token-target", type=_positive(int), default=None, metavar="N",
+                   help="tokens per contended iteration, shared by tier and weight (default: the worker's, "
+                        "the token budget; docs/fairness.md)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the worker's and gateway's logs")
     return p
 
@@ -432,8 +432,8 @@ def worker_command(args) -> list[str]:
         cmd.append("--kv-quota" if args.kv_quota else "--no-kv-quota")
     for tier, share in args.tier_min_share or []:
         cmd += ["--tier-min-share", f"{tier}={share:g}"]
-    if args.decode_token_target is not None:
-        cmd += ["--decode-token-target", str(args.decode_token_target)]
+    if args.iteration_token_target is not None:
+        cmd += ["--iteration-token-target", str(args.iteration_token_target)]
     return cmd
 
 

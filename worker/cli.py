@@ -6,7 +6,7 @@
                      [--alpha 1 --beta 2] [--device cpu|cuda] [--threads N] [--cache-dir DIR]
                      [--metrics-port 0] [--metrics-host HOST] [--metrics-max-tenants 64]
                      [--otel-exporter none|console|otlp]
-                     [--tier-min-share TIER=FRAC ...] [--no-tier-scheduling] [--decode-token-target N]
+                     [--tier-min-share TIER=FRAC ...] [--no-tier-scheduling] [--iteration-token-target N]
                      [--kv-quota | --no-kv-quota] [--kv-watermark 0.8] [--kv-headroom 0.05]
                      [--kv-shared-buffer 0] [--kv-hard-cap 1.0]
                      [--kv-soft-quota KEY=FRAC ...] [--kv-hard-cap-for KEY=FRAC ...]
@@ -16,8 +16,9 @@
 Tiers (docs/fairness.md, "Tiers"): strict priority interactive > batch > background, each lower tier
 keeping a minimum share of service (`--tier-min-share batch=0.05 --tier-min-share background=0.05`, the
 defaults); `--no-tier-scheduling` schedules every tenant in one tier (tiers are still reported).
-`--decode-token-target N`: at most N decodes per iteration, shared by tier and weight (default: the
-token budget, so nothing is capped; docs/fairness.md, "When nobody queues").
+`--iteration-token-target N`: an iteration with more than one tenant's work computes about N tokens,
+shared by tier and weight (default: the token budget, so nothing changes; docs/fairness.md, "When
+nobody queues").
 `--kv-quota` turns on per-tenant KV quotas (default off; docs/memory-isolation.md): fractions are of
 the KV pool; KEY is a tenant id or a tier (interactive, batch, background), a tenant id winning over
 its tier. The tuning flags need `--kv-quota`.
@@ -125,9 +126,9 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
                    help="minimum share of service of a lower tier (repeatable; default batch=0.05 background=0.05)")
     g.add_argument("--tier-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="strict priority across tiers (default on; --no-tier-scheduling: every tenant in one tier)")
-    g.add_argument("--decode-token-target", type=_positive(int), default=None, metavar="N",
-                   help="most decodes per iteration before they are shared by tier and weight "
-                        "(default: --max-num-batched-tokens, i.e. nothing is capped)")
+    g.add_argument("--iteration-token-target", type=_positive(int), default=None, metavar="N",
+                   help="tokens per iteration with more than one tenant's work, shared by tier and weight "
+                        "(default: --max-num-batched-tokens, i.e. nothing changes)")
 
 
 def tier_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -147,7 +148,7 @@ def tier_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     except ValueError as exc:
         p.error(f"--tier-min-share: {exc}")
     return {"tier_scheduling": bool(args.tier_scheduling), "tier_min_shares": shares,
-            "decode_token_target": args.decode_token_target}
+            "iteration_token_target": args.iteration_token_target}
 # ---- end of tier flags ---------------------------------------------------------------------------------
 
 

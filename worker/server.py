@@ -212,7 +212,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tier_scheduling=snap.get("tier_scheduling", False),
             tier_preemptions=snap.get("preemptions_by_reason", {}).get("tier", 0),
             returning_preemptions=snap.get("returning_preemptions", 0),
-            decode_token_target=snap.get("decode_token_target", 0),
+            iteration_token_target=snap.get("iteration_token_target", 0),
         )
         for tier, t in snap.get("tiers", {}).items():
             load.tiers.add(tier=TIER_ENUMS.get(tier, 0), charged_service=t["service"], service_share=t["service_share"],

@@ -218,7 +218,7 @@ class TierLoad(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., charged_service: _Optional[float] = ..., service_share: _Optional[float] = ..., min_share: _Optional[float] = ..., deficit: _Optional[float] = ..., backlogged: _Optional[bool] = ..., blocked_iterations: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "tenants", "policy", "iterations", "draining", "inflight_tokens", "kv_quota_enabled", "reclaim_preemptions", "cache_blocks", "cache_public_blocks", "cache_hit_tokens", "cache_lookup_tokens", "tiers", "tier_scheduling", "tier_preemptions", "returning_preemptions", "decode_token_target")
+    __slots__ = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "tenants", "policy", "iterations", "draining", "inflight_tokens", "kv_quota_enabled", "reclaim_preemptions", "cache_blocks", "cache_public_blocks", "cache_hit_tokens", "cache_lookup_tokens", "tiers", "tier_scheduling", "tier_preemptions", "returning_preemptions", "iteration_token_target")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -239,7 +239,7 @@ class Load(_message.Message):
     TIER_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     TIER_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     RETURNING_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_TOKEN_TARGET_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_TOKEN_TARGET_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_used: int
@@ -260,5 +260,5 @@ class Load(_message.Message):
     tier_scheduling: bool
     tier_preemptions: int
     returning_preemptions: int
-    decode_token_target: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ..., policy: _Optional[str] = ..., iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., inflight_tokens: _Optional[int] = ..., kv_quota_enabled: _Optional[bool] = ..., reclaim_preemptions: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cache_public_blocks: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_lookup_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierLoad, _Mapping]]] = ..., tier_scheduling: _Optional[bool] = ..., tier_preemptions: _Optional[int] = ..., returning_preemptions: _Optional[int] = ..., decode_token_target: _Optional[int] = ...) -> None: ...
+    iteration_token_target: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ..., policy: _Optional[str] = ..., iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., inflight_tokens: _Optional[int] = ..., kv_quota_enabled: _Optional[bool] = ..., reclaim_preemptions: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cache_public_blocks: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_lookup_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierLoad, _Mapping]]] = ..., tier_scheduling: _Optional[bool] = ..., tier_preemptions: _Optional[int] = ..., returning_preemptions: _Optional[int] = ..., iteration_token_target: _Optional[int] = ...) -> None: ...

@@ -58,7 +58,7 @@ class CoreMachine(RuleBasedStateMachine):
         self.tiers = TierShares(floor_units=ALPHA * chunk / 2)
         self.policy = policy
         self.sched = Scheduler(make_policy(policy, LinearCost(ALPHA, BETA)), LinearCost(ALPHA, BETA), self.bm, chunk,
-                               max_running, quota=q, tiers=self.tiers, decode_token_target=decode_target,
+                               max_running, quota=q, tiers=self.tiers, iteration_token_target=decode_target,
                                returning_preemption=policy != "fcfs")
         self.core = self.sched.core
         self.n = 0
@@ -78,7 +78,7 @@ class CoreMachine(RuleBasedStateMachine):
         vt, rt = victim.tenant.sched_tier, requester.tenant.sched_tier
         if RANK[vt] < RANK[rt]:
             self.bad_preemptions.append(("higher tier preempted", reason, vt, rt))
-        elif RANK[vt] > RANK[rt] and not self.tiers.preemptible(victim.tenant.tier):
+        elif RANK[vt] > RANK[rt] and (victim.for_share or not self.tiers.preemptible(victim.tenant.tier)):
             self.bad_preemptions.append(("lower tier within its share preempted", reason, vt, rt))
 
     # ---- rules ------------------------------------------------------------------------------

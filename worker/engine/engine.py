@@ -55,8 +55,8 @@ class EngineConfig:
     preempting an over-share tenant (worker/scheduling/returning.py; never under FCFS).
     tier_scheduling: strict priority across tiers with minimum shares (False: tier-blind, every
     tenant in one tier; worker/scheduling/tiers.py). tier_min_shares: lower tier -> minimum share
-    of service (missing tiers: 5 %). decode_token_target: decodes per iteration before they are
-    shared by tier and weight (None: the token budget, so nothing is capped;
+    of service (missing tiers: 5 %). iteration_token_target: tokens per contended iteration beyond
+    which they are shared by tier and weight (None: the token budget, so nothing changes;
     worker/scheduling/decode_share.py).
     kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
     fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
@@ -91,7 +91,7 @@ class EngineConfig:
     returning_preemption: bool = True
     tier_scheduling: bool = True
     tier_min_shares: dict = field(default_factory=dict)
-    decode_token_target: int | None = None
+    iteration_token_target: int | None = None
     kv_quota: bool = False
     kv_watermark: float = 0.8
     kv_headroom: float = 0.05
@@ -185,7 +185,7 @@ class Engine:
                                    cfg.max_running, prefill_slice=cfg.prefill_slice, max_skips=cfg.max_skips,
                                    clock=self.clock, quota=self.quota,
                                    returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
-                                   tiers=self.tiers, decode_token_target=cfg.decode_token_target)
+                                   tiers=self.tiers, iteration_token_target=cfg.iteration_token_target)
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
         pool_tokens = runner.num_kv_blocks * runner.block_size
@@ -567,7 +567,7 @@ class Engine:
             "returning_preemptions": core.stats.preemptions["returning"],
             "preemptions_by_reason": dict(core.stats.preemptions),
             "tier_scheduling": self.tiers.enabled, "tiers": core.tier_snapshot(),
-            "decode_token_target": core.decode_token_target,
+            "iteration_token_target": core.iteration_token_target,
         }
 
 

@@ -62,15 +62,15 @@ class Scheduler:
     monotonic (the simulator passes a virtual clock). quota: `KVQuota` (None: off).
     returning_preemption: a returning tenant below its slot share gets a slot at once (the engine
     turns it off for FCFS). tiers: `TierShares` (default: strict priority with 5 % minimum shares).
-    decode_token_target: decodes per iteration before they are shared by tier and weight (None:
-    the token budget). Raises ValueError on non-positive sizes.
+    iteration_token_target: tokens per contended iteration beyond which they are shared by tier and
+    weight (None: the token budget, i.e. never). Raises ValueError on non-positive sizes.
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, block_manager: BlockManager,
                  max_num_batched_tokens: int = 512, max_running: int = 64, *, prefill_slice: int = 16,
                  max_skips: int = 8, clock: Callable[[], float] = time.monotonic,
                  quota: KVQuota | None = None, returning_preemption: bool = True,
-                 tiers: TierShares | None = None, decode_token_target: int | None = None) -> None:
+                 tiers: TierShares | None = None, iteration_token_target: int | None = None) -> None:
         if max_num_batched_tokens < 1 or max_running < 1 or prefill_slice < 1:
             raise ValueError("max_num_batched_tokens, max_running and prefill_slice must be >= 1")
         self.cost = cost
@@ -84,7 +84,7 @@ class Scheduler:
                                    max_running=max_running, chunk_tokens=max_num_batched_tokens,
                                    prefill_slice=prefill_slice, max_skips=max_skips, quota=quota,
                                    returning=returning_preemption, tiers=tiers,
-                                   decode_token_target=decode_token_target)
+                                   iteration_token_target=iteration_token_target)
 
     # ---- the core's Executor protocol -----------------------------------------------------------
     def admission_need(self, seq: Sequence) -> int:
@@ -220,7 +220,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: dict[str, ScheduledChunk] = {}
         decoding = [e for e in core.running.values() if e.handle.num_uncomputed == 1]
-        for e in core.select_decodes(decoding):
+        decodes, prefill_budget = core.plan_iteration(decoding, budget)
+        for e in decodes:
             if budget == 0:
                 break
             seq = e.handle
@@ -233,15 +234,16 @@ class Scheduler:
             chunk = chunks[seq.request_id] = ScheduledChunk(seq, 1)
             self._charge_prefill(chunk, seq.num_computed_tokens, 1)  # a last prompt token, if any
             budget -= 1
-        if budget > 0:
-            self._schedule_prefill(budget, chunks)
+        prefill_budget = budget if prefill_budget is None else min(budget, prefill_budget)
+        if prefill_budget > 0:
+            self._schedule_prefill(prefill_budget, chunks)
         if not chunks and core.running:
             # Stall (every running sequence is a partial prefill and the pool is full): free the
             # blocks of the core's victim so that the others can go on.
             victim = core.stall_victim()
             if victim.handle.block_table:
                 core.preempt(victim, OUT_OF_BLOCKS)
-                self._schedule_prefill(budget, chunks)
+                self._schedule_prefill(prefill_budget, chunks)
         core.end_iteration()
         return list(chunks.values())
 

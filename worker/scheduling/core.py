@@ -21,19 +21,20 @@ What the core owns (docs/scheduling-core.md is the interface note):
   (`worker.scheduling.eligibility`);
 - preemption: whom and why (`worker.scheduling.preemption`: out of blocks, stall, quota reclaim,
   tier, returning tenant);
-- which decodes run when the iteration's decode tokens pass the target
-  (`worker.scheduling.decode_share`);
+- which decodes run and how much prefill follows when a contended iteration's tokens pass the
+  iteration token target (`worker.scheduling.decode_share`);
 - backlog: a tenant is backlogged while it has queued requests or prefill left (running decodes do
   not count, VTC Algorithm 2); the policy and the tier deficits hear every change.
 
 One iteration, as an executor drives it (`worker/engine/scheduler.py` is the reference):
 
     core.begin_iteration(free, promised)      # preemptions for reclaim, tiers, returning tenants
-    for entry in core.select_decodes(decoding_entries):
+    decodes, prefill_budget = core.plan_iteration(decoding_entries, budget)
+    for entry in decodes:
         while the executor has no block for it:
             victim = core.decode_victim(entry); core.preempt(victim, OUT_OF_BLOCKS)
         ...allocate one token...
-    core.begin_prefill(budget, free, promised)
+    core.begin_prefill(prefill_budget, free, promised)
     while (entry := core.next_prefill()) is not None:
         if not entry.running: core.admit(entry)   # then attach the cached prefix, etc.
         n = tokens the executor can give it (slice, budget, blocks); 0 -> core.cannot_serve(entry)
@@ -102,8 +103,10 @@ class Executor(Protocol):
 class Entry:
     """The core's record of one request. handle: the executor's object. arrival: seconds (any
     monotonic scale the executor uses). order: admission order while running (newest = largest).
-    protected: admitted through a memory reservation (preempted last). need: blocks its admission
-    takes (computed when it is considered). last_decode: iteration of its last decoded token."""
+    protected: admitted through a memory reservation (preempted last). for_share: admitted while
+    its tier was owed its minimum share (never taken back by a higher tier). need: blocks its
+    admission takes (computed when it is considered). last_decode: iteration of its last decoded
+    token."""
 
     request_id: str
     tenant: "TenantState"
@@ -114,6 +117,7 @@ class Entry:
     running: bool = False
     order: int = -1
     protected: bool = False
+    for_share: bool = False
     need: int = 0
     last_decode: int = -1
     preemptions: int = 0
@@ -164,16 +168,17 @@ class SchedulingCore:
     prefill chunk). prefill_slice: tokens per pick (for bounds and estimates). max_skips: memory
     skips before a reservation. quota: `KVQuota` or None (off). returning: give returning tenants a
     slot at once (`worker.scheduling.returning`). tiers: `TierShares` (default: strict priority,
-    5 % minimum shares, floor α·chunk/2). decode_token_target: most decodes per iteration before
-    they are shared by tier and weight (None: the token budget). Raises ValueError on bad sizes.
+    5 % minimum shares, floor α·chunk/2). iteration_token_target: tokens per contended iteration
+    beyond which they are shared by tier and weight (None: the token budget, i.e. never).
+    Raises ValueError on bad sizes.
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, executor: Executor, *, total_blocks: int,
                  max_running: int, chunk_tokens: int = 512, prefill_slice: int = 16, max_skips: int = 8,
                  quota: KVQuota | None = None, returning: bool = True, tiers: TierShares | None = None,
-                 decode_token_target: int | None = None) -> None:
-        if chunk_tokens < 1 or prefill_slice < 1 or (decode_token_target is not None and decode_token_target < 1):
-            raise ValueError("chunk_tokens, prefill_slice and decode_token_target must be >= 1")
+                 iteration_token_target: int | None = None) -> None:
+        if chunk_tokens < 1 or prefill_slice < 1 or (iteration_token_target is not None and iteration_token_target < 1):
+            raise ValueError("chunk_tokens, prefill_slice and iteration_token_target must be >= 1")
         self.policy = policy
         self.cost = cost
         self.executor = executor
@@ -184,7 +189,8 @@ class SchedulingCore:
         self.tiers = tiers if tiers is not None else TierShares(floor_units=cost.max_prefill_rate * chunk_tokens / 2)
         self.chunk_tokens = chunk_tokens
         self.prefill_slice = prefill_slice
-        self.decode_token_target = decode_token_target or chunk_tokens
+        self.iteration_token_target = iteration_token_target or chunk_tokens
+        self._tier_prefill_cap: dict[str, int] | None = None
         self.tenants: dict[str, TenantState] = {}
         self.entries: dict[str, Entry] = {}
         self.running: dict[str, Entry] = {}            # admission order
@@ -274,7 +280,7 @@ class SchedulingCore:
         self._leave_running(e)
         self.ledger.on_release(blocks, promise)
         self.ledger.free = self.executor.free_blocks()
-        e.protected = False
+        e.protected = e.for_share = False
         e.preemptions += 1
         ts = e.tenant
         ts.waiting.appendleft(e)
@@ -369,33 +375,83 @@ class SchedulingCore:
         if self.returning is not None:
             self.room.for_returning()
 
-    # ---- decodes ---------------------------------------------------------------------------------
-    def select_decodes(self, decoding: list[Entry]) -> list[Entry]:
-        """The decodes to run this iteration out of `decoding` (running entries with one token to
-        compute, in admission order): all of them while they are at most the decode target, else
-        `decode_token_target` of them shared by tier and weight (`worker.scheduling.decode_share`).
-        Keeps the admission order."""
-        cap = self.decode_token_target
-        if len(decoding) <= cap:
+    # ---- the iteration's tokens: decodes, then prefill -----------------------------------------------
+    def plan_iteration(self, decoding: list[Entry], budget: int) -> tuple[list[Entry], int | None]:
+        """Which decodes run and how many prefill tokens may follow, out of `budget` tokens.
+
+        decoding: running entries with one token to compute, in admission order. While the
+        iteration is not *contended* (work of one tenant only) or its tokens stay within the
+        iteration token target `T`, every decode runs and prefill gets the rest of the budget.
+        Otherwise the top tier with work keeps all of its pending prefill, and the decodes and the
+        other tiers' prefill share `T` tokens (`worker.scheduling.decode_share`): strict priority
+        across tiers, each tier's decodes and then its prefill, each lower tier owed its minimum
+        share keeping `ceil(m_k·T)` tokens; within a tier, decodes by weight (the requests that
+        waited longest since their last token first). Returns the decodes
+        (admission order) and the prefill budget (None: whatever the decodes leave of `budget`);
+        the prefill round then also keeps each tier to the prefill tokens planned for it."""
+        cap = self.iteration_token_target
+        self._tier_prefill_cap = None
+        tenants = {e.tenant_id for e in decoding}
+        contended = len(tenants) > 1 or any(
+            t not in tenants for tier in TIERS for t in self._pending[tier]) if cap < budget else False
+        if not contended:
             for e in decoding:
                 e.last_decode = self.iteration
-            return decoding
+            return decoding, None
         by_tier: dict[str, dict[str, list[Entry]]] = {}
         for e in decoding:
             by_tier.setdefault(e.tenant.sched_tier, {}).setdefault(e.tenant_id, []).append(e)
-        tier_slots = split_by_tier({t: sum(len(v) for v in d.values()) for t, d in by_tier.items()}, list(TIERS),
-                                   self.tiers.min_share if self.tiers.enabled else {}, cap)
+        demand = {t: sum(len(v) for v in by_tier.get(t, {}).values()) for t in TIERS}
+        prefill = {t: self._prefill_demand(t, budget) for t in TIERS}
+        # the top tier with work keeps all of its prefill (an interactive prompt is not held back);
+        # the decodes and every other tier's prefill share the target
+        top = next((t for t in TIERS if demand[t] or prefill[t]), TIERS[0])
+        work = {t: demand[t] + (prefill[t] if t != top else 0) for t in TIERS}
+        if sum(work.values()) <= cap:
+            for e in decoding:
+                e.last_decode = self.iteration
+            return decoding, None
+        # a lower tier's floor only while it is owed its minimum share (its deficit keeps the share
+        # over time; a floor every iteration would round 5 % of a small target up to a whole token)
+        shares = {k: m for k, m in self.tiers.min_share.items() if self.tiers.owed(k)}
+        tokens = split_by_tier(work, list(TIERS), shares, cap)
         chosen: set[int] = set()
-        for tier, tenants in by_tier.items():
-            slots = water_fill({t: len(v) for t, v in tenants.items()},
-                               {t: self.tenants[t].weight for t in tenants}, tier_slots.get(tier, 0))
-            for t, entries in tenants.items():
+        caps: dict[str, int] = {}
+        used = 0
+        for tier in TIERS:
+            n = tokens.get(tier, 0)
+            d = min(demand[tier], n)
+            caps[tier] = prefill[tier] if tier == top else max(0, min(prefill[tier], n - d))
+            tenant_entries = by_tier.get(tier, {})
+            slots = water_fill({t: len(v) for t, v in tenant_entries.items()},
+                               {t: self.tenants[t].weight for t in tenant_entries}, d)
+            for t, entries in tenant_entries.items():
                 entries.sort(key=lambda e: (e.last_decode, e.order))
                 chosen.update(id(e) for e in entries[:slots[t]])
+            used += d
         out = [e for e in decoding if id(e) in chosen]
         for e in out:
             e.last_decode = self.iteration
-        return out
+        self._tier_prefill_cap = caps
+        return out, max(0, min(budget - len(out), sum(caps.values())))
+
+    def _prefill_demand(self, tier: str, limit: int) -> int:
+        """Prefill tokens the tier's tenants have pending (running partial prefills and waiting
+        requests), counted up to `limit`."""
+        total = 0
+        left = self.executor.prefill_left
+        for tid in self._pending[tier]:
+            ts = self.tenants[tid]
+            for e in ts.partials:
+                if e.running:
+                    total += left(e.handle)
+            for e in ts.waiting:
+                if total >= limit:
+                    return limit
+                total += max(1, e.prompt_tokens)
+            if total >= limit:
+                return limit
+        return total
 
     def decode_victim(self, requester: Entry) -> Entry:
         """Out of blocks for `requester`'s next token: the request to preempt (possibly itself)."""
@@ -419,8 +475,9 @@ class SchedulingCore:
     def next_prefill(self) -> Entry | None:
         """The request that gets the next slice: a running partial prefill or a waiting head (which
         the executor must then `admit`). None when the budget is spent or nothing can be served."""
+        caps = self._tier_prefill_cap
         while self._budget > 0:
-            live = [t for t in TIERS if t not in self._dead and self._pending[t]]
+            live = [t for t in TIERS if t not in self._dead and self._pending[t] and (caps is None or caps[t] > 0)]
             tier = self.tiers.pick(live)
             if tier is None:
                 return None
@@ -482,6 +539,7 @@ class SchedulingCore:
         self._running_by_tier[ts.tier] += 1
         if self.gate.holds(e.request_id):
             e.protected = True
+        e.for_share = self.tiers.owed(ts.tier)
         self.gate.on_admit(ts.tenant_id, e.request_id)
         self._touched.add(ts.tenant_id)
         if not e.admitted_once:
@@ -501,12 +559,14 @@ class SchedulingCore:
         self._alloc[e.request_id] = self._alloc.get(e.request_id, 0) + tokens
         self._budget -= tokens
         ts = e.tenant
+        if self._tier_prefill_cap is not None:
+            self._tier_prefill_cap[ts.sched_tier] -= tokens
         self._touched.add(ts.tenant_id)
         self._push(ts)
 
     @property
     def prefill_budget(self) -> int:
-        """Prefill tokens left to hand out this round."""
+        """Prefill tokens left to hand out this round (to the request `next_prefill` returned)."""
         return self._budget
 
     def allocated(self, e: Entry) -> int:

@@ -1,26 +1,30 @@
-"""What a weight means when nobody queues: weighted decode tokens per iteration.
+"""What a weight (and a tier) means when nobody queues: sharing the iteration itself.
 
 When every request runs (running slots and KV room suffice), nobody waits for admission, so VTC's
 ordering decides nothing and each running request gets one token per iteration: two tenants of
-weight 1 and 3 with 30 streams each share 1 : 1, although each iteration is slowed by both. What is
-contended then is the iteration itself (its time grows with the batch). The contract
-(docs/fairness.md, "When nobody queues"):
+weight 1 and 3 with 30 streams each share 1 : 1, although each iteration is slowed by both; and an
+interactive request's first token waits for iterations swollen by background decodes. What is
+contended then is the iteration itself (its time grows with its tokens). The contract
+(docs/fairness.md, "When nobody queues"), applied by `SchedulingCore.plan_iteration`:
 
-- `decode_token_target` (tokens per iteration, EngineConfig / `--decode-token-target`): while the
-  running decodes of an iteration are at most the target, all of them run (the default target is the
-  iteration's token budget, so by default nothing is capped). Above it, at most `target` decodes run
-  and the core chooses which:
-- across tiers, strict priority, except that each lower tier with decodes keeps at least
-  `ceil(m_k · target)` of them (its minimum share, as for prefill);
-- within a tier, the slots are water-filled by weight among the tenants with decodes (a tenant that
-  needs less than its weighted share gives the rest to the others);
-- within a tenant, the requests that waited longest since their last decoded token go first
-  (ties: admission order), so each request keeps making progress.
+- `iteration_token_target` T (tokens per iteration; EngineConfig / `--iteration-token-target`;
+  default: the iteration's token budget, so nothing changes). An iteration is *contended* when
+  more than one tenant has work in it (decodes or pending prefill); a lone tenant always gets the
+  whole budget.
+- In a contended iteration the top tier with work keeps all of its pending prefill (up to the
+  budget: an interactive prompt is never held back by background decodes), and the decodes and the
+  other tiers' prefill share T tokens: each lower tier owed its minimum share
+  (`worker.scheduling.tiers`) first keeps `ceil(m_k · T)` of them, then the tiers take the rest in
+  strict priority order, each its decodes and then its prefill.
+- Within a tier, decode slots are water-filled by weight among the tenants with decodes (a tenant
+  that needs less than its weighted share gives the rest to the others); within a tenant, the
+  requests that waited longest since their last token go first (ties: admission order). Prefill
+  within a tier goes by the fairness policy, as always.
 
 The weight-3 tenant of the example above then gets 3 decode tokens per iteration for every one of the
-weight-1 tenant's: a weight is a share of the iteration once its token count passes the target. The
-price is throughput: the batch is held at `target` decodes instead of every running one, and the
-skipped requests keep their KV blocks while they wait (figures in docs/fairness.md).
+weight-1 tenant's, and the interactive tier's iterations stay short. The price is throughput: a
+contended iteration is held at T tokens instead of every runnable one, and the skipped requests keep
+their KV blocks while they wait (figures in docs/fairness.md).
 
 Pure arithmetic on ids, weights and counts (no torch, no grpc).
 """
@@ -61,8 +65,8 @@ def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity:
 
 def split_by_tier(demand_by_tier: Mapping[str, int], tier_order: list[str], min_shares: Mapping[str, float],
                   capacity: int) -> dict[str, int]:
-    """Decode slots per tier: each lower tier first keeps `ceil(m_k · capacity)` (at most its
-    demand), then what is left goes in strict priority order (`tier_order`, highest first)."""
+    """Tokens per tier: each lower tier first keeps `ceil(m_k · capacity)` (at most its demand),
+    then what is left goes in strict priority order (`tier_order`, highest first)."""
     give = {t: 0 for t in demand_by_tier}
     left = capacity
     for t in tier_order:

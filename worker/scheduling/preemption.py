@@ -13,10 +13,11 @@ charged again). Four reasons, one victim rule:
 - **returning**: a tenant returning below its weighted slot share (`worker.scheduling.returning`).
 
 Who may be taken (`may_take`): work of the requester's own tier, or of a lower tier that is
-*preemptible*: it has no minimum share, or it is not backlogged, or it is a full deficit floor ahead
-of its minimum share (`TierShares.preemptible`; so a lower tier within its minimum share keeps its
-room, and a flood of background work that had the server to itself yields at once). A higher tier
-is never taken for a lower one. Among those (`victim`): the lowest tier first; within it, with KV
+*preemptible* (it has no minimum share, or it is not backlogged, or it is half a deficit floor
+ahead of its minimum share: `TierShares.preemptible`), except requests admitted while their tier
+was owed its minimum share. So a lower tier near its minimum share keeps its room, and a flood of
+background work that had the server to itself yields at once. A higher tier is never taken for a
+lower one. Among those (`victim`): the lowest tier first; within it, with KV
 quotas, the tenant furthest over its soft quota; then requests not admitted through a memory
 reservation before those that were (so that such a request is not admitted and preempted over and
 over); then the newest admission.
@@ -53,8 +54,8 @@ class RoomMaker:
         vt = victim.tenant.sched_tier
         if vt == requester_tier:
             return True
-        tiers = self.core.tiers
-        return RANK[vt] > RANK[requester_tier] and tiers.preemptible(victim.tenant.tier)
+        return (RANK[vt] > RANK[requester_tier] and not victim.for_share
+                and self.core.tiers.preemptible(victim.tenant.tier))
 
     def victim(self, requester: "Entry | None") -> "Entry":
         """Out of blocks (for `requester`'s next token, or a stall when None): the request to
@@ -182,7 +183,7 @@ class RoomMaker:
                      and core.tiers.preemptible(k)]
             if not lower or not core._pending[tier]:
                 continue
-            victims = sorted((e for e in core.running.values() if e.tenant.sched_tier in lower),
+            victims = sorted((e for e in core.running.values() if e.tenant.sched_tier in lower and not e.for_share),
                              key=lambda e: (RANK[e.tenant.sched_tier], not e.protected, e.order))
             budget = core.chunk_tokens
             planned_slots = planned_blocks = 0  # taken by the heads before this one that fit as it is
@@ -267,10 +268,15 @@ class RoomMaker:
                     rivals = [tenant]
                 if not core.policy.is_first(tenant, rivals, arrival, ahead_units=promised):
                     break
-                if not self._hold_for_returning(head, running, weights, tiers, batch):
+                if not self._held_for_request(head) and not self._hold_for_returning(head, running, weights, tiers,
+                                                                                      batch):
                     break
                 running[tenant] = running.get(tenant, 0) + 1
                 promised += core.cost.prefill(core.executor.prefill_left(head.handle))
+
+    def _held_for_request(self, head: "Entry") -> bool:
+        """Whether room is already held for this very request (e.g. by tier preemption)."""
+        return any(h.request_id == head.request_id and h.slots > 0 for h in self.core.ledger.holds)
 
     def _hold_for_returning(self, head: "Entry", running: dict, weights: dict, tiers: dict, batch: int) -> bool:
         """Hold one slot and `head`'s blocks for its tenant, preempting victims if needed. Returns

@@ -20,8 +20,10 @@ How the minimum share is measured and enforced (docs/fairness.md, "Tiers"):
   higher tier's admissions cannot take the room that frees up. Otherwise the highest tier with
   servable work gets the slice (strict priority).
 - A higher tier's waiting request may preempt (recompute) running work of a lower tier only while
-  that tier is *preemptible*: no minimum share, not backlogged, or a full floor ahead of its share
-  (`D_k ≤ −floor`); never the reverse.
+  that tier is *preemptible* (no minimum share, not backlogged, or at least half a floor ahead of
+  its share: `D_k ≤ −floor/2`), and never a request that was admitted while its tier was owed (it
+  is what the minimum share bought: taking it back would only make the tier owed again and waste
+  the work); never the reverse.
 - A tier is *blocked* in an iteration when it is still owed once the iteration's prefill budget
   has been handed out: nothing of it could be served (no free slot and no KV room for its head,
   which only the end of higher-tier requests can change, since they are never preempted for it).
@@ -151,14 +153,14 @@ class TierShares:
     def preemptible(self, tier: str) -> bool:
         """Whether running work of lower tier `tier` may be taken for a higher tier's request: the
         tier has no minimum share, or is not backlogged (the share applies to backlogged tiers), or
-        is a full floor ahead of its share (`D ≤ −floor`, e.g. a background flood that had the
-        server to itself). A tier within its share (`D > −floor`) keeps its room, so it is not
-        preempted, re-admitted and preempted again at every small swing of its deficit."""
+        is at least half a floor ahead of its share (`D ≤ −floor/2`, e.g. a background flood that
+        had the server to itself). A tier closer to its share keeps its room. (Requests admitted
+        while their tier was owed are not taken back either: `Entry.for_share`.)"""
         if not self.enabled or tier not in self.deficit:
             return False
         if self.min_share[tier] <= 0.0 or not self.backlogged[tier]:
             return True
-        return self.deficit[tier] <= -self.floor * (1 - 1e-9)
+        return self.deficit[tier] <= -self.floor / 2
 
     def shares_of_service(self) -> dict[str, float]:
         """Fraction of all service charged so far, per tier (0 when nothing was charged)."""
