@@ -4,6 +4,7 @@
     fairshare bench gateway [...]   (see gateway/bench.py)
     fairshare bench cache [...]     (prefix-cache hit rates by isolation mode; worker/cache/bench.py)
     fairshare bench sidechannel [...]  (CI2 TTFT timing side channel; loadtests/sidechannel.py)
+    fairshare bench scheduler [...]    (the scheduling core's decision time per iteration; worker/sim/sched_bench.py)
 
 `engine`: decode throughput of the reference engine (continuous batching, paged KV) at each batch
 size, and in the same run transformers' `generate` at static batch 8 on the same weights; prints
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare bench`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway|cache|sidechannel} [options]")
+        print("usage: fairshare bench {engine|gateway|cache|sidechannel|scheduler} [options]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         from worker.cache.bench import main as cache_bench
 
         return cache_bench(rest)
+    if what == "scheduler":
+        from worker.sim.sched_bench import main as scheduler_bench
+
+        return scheduler_bench(rest)
     if what == "sidechannel":
         from loadtests.sidechannel import main as sidechannel_bench
 

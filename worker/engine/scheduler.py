@@ -224,19 +224,17 @@ class Scheduler:
         for e in decodes:
             if budget == 0:
                 break
-            seq = e.handle
-            while e.running and not self.blocks.can_allocate(seq, 1):
-                victim = core.decode_victim(e)
-                core.preempt(victim, OUT_OF_BLOCKS, e)
-            if not e.running:
-                continue
-            self.blocks.allocate(seq, 1)
-            chunk = chunks[seq.request_id] = ScheduledChunk(seq, 1)
-            self._charge_prefill(chunk, seq.num_computed_tokens, 1)  # a last prompt token, if any
-            budget -= 1
+            budget = self._decode(e, chunks, budget)
         prefill_budget = budget if prefill_budget is None else min(budget, prefill_budget)
         if prefill_budget > 0:
             self._schedule_prefill(prefill_budget, chunks)
+        if not chunks and len(decodes) < len(decoding):
+            # the iteration target left decodes out for prefill that could not be served: run them
+            for e in decoding:
+                if budget == 0:
+                    break
+                if e.running:
+                    budget = self._decode(e, chunks, budget)
         if not chunks and core.running:
             # Stall (every running sequence is a partial prefill and the pool is full): free the
             # blocks of the core's victim so that the others can go on.
@@ -246,6 +244,21 @@ class Scheduler:
                 self._schedule_prefill(prefill_budget, chunks)
         core.end_iteration()
         return list(chunks.values())
+
+    def _decode(self, e, chunks: dict[str, ScheduledChunk], budget: int) -> int:
+        """One decode token for running entry `e` (preempting the core's victims while no block is
+        free; `e` itself may be the victim). Returns the budget left."""
+        core = self.core
+        seq = e.handle
+        while e.running and not self.blocks.can_allocate(seq, 1):
+            victim = core.decode_victim(e)
+            core.preempt(victim, OUT_OF_BLOCKS, e)
+        if not e.running:
+            return budget
+        self.blocks.allocate(seq, 1)
+        chunk = chunks[seq.request_id] = ScheduledChunk(seq, 1)
+        self._charge_prefill(chunk, seq.num_computed_tokens, 1)  # a last prompt token, if any
+        return budget - 1
 
     def _schedule_prefill(self, budget: int, chunks: dict[str, ScheduledChunk]) -> None:
         core = self.core

@@ -191,6 +191,8 @@ class SchedulingCore:
         self.prefill_slice = prefill_slice
         self.iteration_token_target = iteration_token_target or chunk_tokens
         self._tier_prefill_cap: dict[str, int] | None = None
+        self._partial_heaps: dict[str, list] | None = None
+        self._sticky: TenantState | None = None
         self.tenants: dict[str, TenantState] = {}
         self.entries: dict[str, Entry] = {}
         self.running: dict[str, Entry] = {}            # admission order
@@ -198,11 +200,11 @@ class SchedulingCore:
         self.iteration = 0
         self._admit_counter = 0
         self._waiting = 0
-        self._round_counted = -1
         self._heaps: dict[str, list] = {t: [] for t in TIERS}
         self._pending: dict[str, set[str]] = {t: set() for t in TIERS}  # tenants with candidates, per tier
         self._dirty: set[str] = set()
         self._keyed = type(policy).key is not SchedulingPolicy.key  # VTC, FCFS: heaps; DRR: asked
+        self._lazy = self._keyed and policy.key_rises_with_charges
         self._backlogged_by_tier = {t: 0 for t in TIERS}
         self._running_by_tier = {t: 0 for t in TIERS}
         # per prefill round
@@ -342,12 +344,16 @@ class SchedulingCore:
     def _on_policy_change(self, acct: TenantAccount, units: float) -> None:
         if units:
             self.tiers.charge(acct.tier, units)
+            if self._lazy:
+                return  # the key only rose: re-keyed when it reaches the top of its heap (`_pop`)
         self._dirty.add(acct.tenant_id)
 
     def end_iteration(self) -> None:
         """Tell the policy which tenants stopped being backlogged: no queued request and no
         prefill left beyond this iteration's step (a running request with at most one token left
-        to compute decodes next). Only tenants served or admitted this iteration can change."""
+        to compute decodes next). Only tenants served or admitted this iteration can change. The
+        lower tiers still owed now were blocked this iteration (counted)."""
+        self.tiers.end_round()
         left = self.executor.prefill_left
         for tid in self._touched:
             ts = self.tenants[tid]
@@ -411,10 +417,15 @@ class SchedulingCore:
             for e in decoding:
                 e.last_decode = self.iteration
             return decoding, None
-        # a lower tier's floor only while it is owed its minimum share (its deficit keeps the share
-        # over time; a floor every iteration would round 5 % of a small target up to a whole token)
-        shares = {k: m for k, m in self.tiers.min_share.items() if self.tiers.owed(k)}
-        tokens = split_by_tier(work, list(TIERS), shares, cap)
+        # a lower tier's floor: only while it is owed its minimum share (its deficit keeps the share
+        # over time; a floor every iteration would round 5 % of a small target up to a whole token),
+        # and only for decodes it has (prefill it could not fit must not take decode slots away)
+        floors = split_by_tier({k: demand[k] for k in TIERS}, list(TIERS),
+                               {k: m for k, m in self.tiers.min_share.items() if self.tiers.owed(k)}, cap,
+                               floors_only=True)
+        tokens = split_by_tier({k: max(0, work[k] - floors[k]) for k in TIERS}, list(TIERS), {},
+                               cap - sum(floors.values()))
+        tokens = {k: tokens[k] + floors[k] for k in TIERS}
         chosen: set[int] = set()
         caps: dict[str, int] = {}
         used = 0
@@ -466,6 +477,8 @@ class SchedulingCore:
         """Start handing out `budget` prefill tokens (the executor's free and promised blocks now)."""
         self._budget = budget
         self._alloc = {}
+        self._partial_heaps: dict[str, list] | None = None
+        self._sticky: TenantState | None = None
         self._out = set()
         self._dead = set()
         self._unfit = {}
@@ -481,12 +494,61 @@ class SchedulingCore:
             tier = self.tiers.pick(live)
             if tier is None:
                 return None
+            sticky = self._sticky
+            if sticky is not None:
+                # the tenant served last keeps the turn while it is still the policy's first (water-
+                # filling slice by slice, without a heap round trip per slice)
+                self._sticky = None
+                if sticky.sched_tier == tier and sticky.tenant_id not in self._out:
+                    head = self._sticky_head(sticky)
+                    if head is not None:
+                        return head
+                if sticky.tenant_id not in self._out:
+                    self._repush(sticky)
             head = self._pop(tier)
             if head is None:
                 self._dead.add(tier)
                 continue
             return head
         return None
+
+    def _sticky_head(self, ts: TenantState) -> Entry | None:
+        """`ts`'s servable head if `ts` is still first in its tier's heap (else None)."""
+        key = self._key(ts)
+        if self._no_slot():
+            heap = self._partial_heaps[ts.sched_tier] if self._partial_heaps is not None else None
+            top = self._top(heap, partial=True) if heap is not None else None
+        else:
+            top = self._top(self._heaps[ts.sched_tier], partial=False)
+        if top is not None and top < key:
+            return None
+        head = self._head(ts)
+        if head is None or (not head.running and self._no_slot()):
+            return None
+        return self._servable_head(ts)
+
+    def _top(self, heap: list, partial: bool):
+        """The smallest valid key in `heap` (fixing stale entries on the way), or None."""
+        while heap:
+            entry = heap[0]
+            key, tid = entry[0], entry[-1]
+            ts = self.tenants[tid]
+            if tid in self._out or (not partial and entry[1] != ts.ver):
+                heapq.heappop(heap)
+                continue
+            if self._lazy:
+                current = self._key(ts)
+                if current > key:
+                    heapq.heapreplace(heap, (current, tid) if partial else (current, entry[1], tid))
+                    continue
+            return key
+        return None
+
+    def _repush(self, ts: TenantState) -> None:
+        """Put a tenant taken out of its heap back in (at its current key)."""
+        if self._partial_heaps is not None:
+            heapq.heappush(self._partial_heaps[ts.sched_tier], (self._key(ts), ts.tenant_id))
+        self._push(ts)
 
     def _servable_head(self, ts: TenantState) -> Entry | None:
         """The tenant's head if it can be served now (else the tenant leaves this round)."""
@@ -562,7 +624,7 @@ class SchedulingCore:
         if self._tier_prefill_cap is not None:
             self._tier_prefill_cap[ts.sched_tier] -= tokens
         self._touched.add(ts.tenant_id)
-        self._push(ts)
+        self._sticky = ts  # back in its heap when another tenant gets the turn (`next_prefill`)
 
     @property
     def prefill_budget(self) -> int:
@@ -578,15 +640,16 @@ class SchedulingCore:
         self._out.add(e.tenant_id)
 
     def end_prefill(self) -> list[str]:
-        """End of the prefill round. Returns the lower tiers blocked this iteration (still owed)."""
+        """End of the prefill round. Returns the lower tiers still owed (blocked, unless a second
+        round follows)."""
+        if self._sticky is not None:
+            self._push(self._sticky)
+            self._sticky = None
         self._dirty.update(self._out)
         self._touched.update(self._out)
         self._out = set()
         self._unfit = {}
-        if self._round_counted == self.iteration:  # a second round in one iteration (after a stall)
-            return self.tiers.owed_tiers()
-        self._round_counted = self.iteration
-        return self.tiers.end_round()
+        return self.tiers.owed_tiers()
 
     # ---- candidate heaps --------------------------------------------------------------------------
     def _head(self, ts: TenantState) -> Entry | None:
@@ -644,15 +707,62 @@ class SchedulingCore:
                     heads[t] = head
                     arrival[t] = head.arrival
             return heads[self.policy.pick(cands, arrival)] if cands else None
+        if self._no_slot():
+            return self._pop_partial(tier)
         heap = self._heaps[tier]
         while heap:
-            _, ver, tid = heapq.heappop(heap)
+            key, ver, tid = heapq.heappop(heap)
             ts = self.tenants[tid]
             if ver != ts.ver or tid in self._out:
                 continue
+            if self._lazy:
+                current = self._key(ts)
+                if current > key:  # charged since it was pushed: back in at its place
+                    heapq.heappush(heap, (current, ver, tid))
+                    continue
             head = self._servable_head(ts)
             if head is not None:
                 return head
+        return None
+
+    def _no_slot(self) -> bool:
+        """No waiting request can be admitted this round: every running slot is taken and none is
+        held (only running partial prefills can be served then)."""
+        led = self.ledger
+        return led.running >= led.max_running and not any(h.slots > 0 for h in led.holds)
+
+    def _pop_partial(self, tier: str) -> Entry | None:
+        """With no slot free: the policy's first tenant of `tier` with a running partial prefill
+        that can take a slice. Its candidates come from the running set (built once per round, at
+        most `max_running` entries), not from every queued tenant."""
+        if self._partial_heaps is None:
+            heaps: dict[str, list] = {t: [] for t in TIERS}
+            left, alloc, seen = self.executor.prefill_left, self._alloc, set()
+            for e in self.running.values():
+                ts = e.tenant
+                if ts.tenant_id not in seen and left(e.handle) - alloc.get(e.request_id, 0) > 0:
+                    seen.add(ts.tenant_id)
+                    heaps[ts.sched_tier].append((self._key(ts), ts.tenant_id))
+            for h in heaps.values():
+                heapq.heapify(h)
+            self._partial_heaps = heaps
+        heap = self._partial_heaps[tier]
+        while heap:
+            key, tid = heapq.heappop(heap)
+            if tid in self._out:
+                continue
+            ts = self.tenants[tid]
+            if self._lazy:
+                current = self._key(ts)
+                if current > key:
+                    heapq.heappush(heap, (current, tid))
+                    continue
+            head = self._head(ts)
+            if head is None or not head.running:
+                continue  # no partial prefill left: its waiting head needs a slot, and there is none
+            if self.executor.prefill_room(head.handle, self._alloc.get(head.request_id, 0)) > 0:
+                return head
+            self._out.add(tid)
         return None
 
     # ---- projections (what the policy would admit, memory aside) ---------------------------------

@@ -64,9 +64,10 @@ def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity:
 
 
 def split_by_tier(demand_by_tier: Mapping[str, int], tier_order: list[str], min_shares: Mapping[str, float],
-                  capacity: int) -> dict[str, int]:
-    """Tokens per tier: each lower tier first keeps `ceil(m_k · capacity)` (at most its demand),
-    then what is left goes in strict priority order (`tier_order`, highest first)."""
+                  capacity: int, floors_only: bool = False) -> dict[str, int]:
+    """Tokens per tier: each tier in `min_shares` first keeps `ceil(m_k · capacity)` (at most its
+    demand), then what is left goes in strict priority order (`tier_order`, highest first).
+    floors_only: return only the first part."""
     give = {t: 0 for t in demand_by_tier}
     left = capacity
     for t in tier_order:
@@ -75,6 +76,8 @@ def split_by_tier(demand_by_tier: Mapping[str, int], tier_order: list[str], min_
             n = min(demand_by_tier[t], math.ceil(m * capacity), left)
             give[t] += n
             left -= n
+    if floors_only:
+        return give
     for t in tier_order:
         if left <= 0:
             break

@@ -170,9 +170,13 @@ class KVLedger:
         return self.total_blocks - self.uncommitted
 
     def room(self, tenant_id: str, request_id: str, *, freed: int = 0) -> int:
-        """Blocks an admission of this request may use (after `freed` more blocks came back)."""
+        """Blocks an admission of this request may use (after `freed` more blocks came back). The
+        request memory is reserved for (it waited its bounded skips) may use the headroom too: the
+        reservation lifts the quota rules for it, and the headroom is one of them."""
         _, held = self.held_for_others(tenant_id, request_id)
-        return self.free + freed - self.promised - self.headroom - held
+        r = self.reservation()
+        headroom = 0 if r is not None and r.request_id == request_id else self.headroom
+        return self.free + freed - self.promised - headroom - held
 
     def free_slots(self, tenant_id: str, request_id: str) -> int:
         """Running slots an admission of this request may take."""

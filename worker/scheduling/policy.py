@@ -158,6 +158,11 @@ class SchedulingPolicy:
         """Hook: adjust a tenant's counter when it becomes backlogged. No-op by default."""
 
     # ---- decisions ----------------------------------------------------------------------------
+    # Whether a charge can only raise `key` (the core then re-keys a charged tenant lazily, when it
+    # reaches the top of its heap, instead of at every charge). Lifts, refunds and head changes are
+    # announced through `subscribe` and re-keyed at once.
+    key_rises_with_charges = False
+
     def key(self, tenant_id: str, head_arrival: float) -> tuple | None:
         """A sort key that ranks this tenant among candidates of its tier (smallest first), or None
         when the policy has no static key (its `pick` must then be asked). `head_arrival`: arrival
@@ -202,6 +207,7 @@ class VTCPolicy(SchedulingPolicy):
     """
 
     name = "vtc"
+    key_rises_with_charges = True  # Δc / w >= 0 (VTC-pred: only what exceeds the prediction)
 
     def _lift(self, acct: TenantAccount) -> None:
         others = [a.virtual_counter for a in self.accounts.values()
@@ -300,6 +306,7 @@ class FCFSPolicy(SchedulingPolicy):
     """First come, first served across all tenants (baseline; counters kept for reporting)."""
 
     name = "fcfs"
+    key_rises_with_charges = True  # charges do not move it at all
 
     def key(self, tenant_id: str, head_arrival: float) -> tuple:
         """(head arrival, tenant id): the earliest head first."""

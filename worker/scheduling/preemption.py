@@ -185,6 +185,8 @@ class RoomMaker:
                 continue
             victims = sorted((e for e in core.running.values() if e.tenant.sched_tier in lower and not e.for_share),
                              key=lambda e: (RANK[e.tenant.sched_tier], not e.protected, e.order))
+            if not victims:
+                continue
             budget = core.chunk_tokens
             planned_slots = planned_blocks = 0  # taken by the heads before this one that fit as it is
             for head in core.projected_heads(tier):

@@ -92,7 +92,7 @@ class TierShares:
         self.backlogged = {t: False for t in TIERS}
         self.service = {t: 0.0 for t in TIERS}        # service units charged per tier, ever
         self.blocked_iterations = {t: 0 for t in LOWER_TIERS}
-        self._owed: list[str] = []                    # lower tiers with D > 0 (kept sorted lazily)
+        self._moving: list[tuple[str, float]] = []    # (tier, m) of backlogged lower tiers with m > 0
 
     def tier_of(self, tier: str) -> str:
         """The tier a tenant of `tier` is scheduled in (the top tier when tier-blind)."""
@@ -101,14 +101,12 @@ class TierShares:
     def charge(self, tier: str, units: float) -> None:
         """`units` service units were charged to a tenant of `tier`."""
         self.service[tier] = self.service.get(tier, 0.0) + units
-        if not self.enabled or not units:
+        if not units:
             return
-        for k in LOWER_TIERS:
-            m = self.min_share[k]
-            if m <= 0.0 or not self.backlogged[k]:
-                continue
-            d = self.deficit[k] + m * units - (units if k == tier else 0.0)
-            self.deficit[k] = d if d > -self.floor else -self.floor
+        deficit, floor = self.deficit, -self.floor
+        for k, m in self._moving:
+            d = deficit[k] + m * units - (units if k == tier else 0.0)
+            deficit[k] = d if d > floor else floor
 
     def set_backlogged(self, tier: str, backlogged: bool) -> None:
         """Tier `tier` has (or no longer has) a backlogged tenant. Leaving drops a positive deficit."""
@@ -117,16 +115,18 @@ class TierShares:
         self.backlogged[tier] = backlogged
         if not backlogged and tier in self.deficit and self.deficit[tier] > 0:
             self.deficit[tier] = 0.0
+        self._moving = [(k, self.min_share[k]) for k in LOWER_TIERS
+                        if self.enabled and self.min_share[k] > 0 and self.backlogged[k]]
 
     def owed(self, tier: str) -> bool:
         """Whether lower tier `tier` is owed service now (the top tier never is)."""
         return self.enabled and self.deficit.get(tier, 0.0) > 0.0 and self.backlogged.get(tier, False)
 
     def owed_tiers(self) -> list[str]:
-        """Owed lower tiers, most behind relative to its share first (ties: higher tier first)."""
-        if not self.enabled:
-            return []
-        owed = [k for k in LOWER_TIERS if self.deficit[k] > 0.0 and self.backlogged[k]]
+        """Owed lower tiers, most behind relative to its share first (ties: higher tier first).
+        (`_moving` holds the backlogged lower tiers with a share, and is empty when tier-blind.)"""
+        deficit = self.deficit
+        owed = [k for k, _ in self._moving if deficit[k] > 0.0]
         if len(owed) > 1:
             owed.sort(key=lambda k: (-self.deficit[k] / self.min_share[k], RANK[k]))
         return owed
@@ -134,12 +134,13 @@ class TierShares:
     def pick(self, servable: Iterable[str]) -> str | None:
         """The tier that gets the next slice among `servable` (tiers with work that can be served
         now): an owed tier first, else the highest-priority one. None when `servable` is empty."""
-        cands = set(servable)
+        cands = servable if isinstance(servable, (list, tuple, set)) else list(servable)
         if not cands:
             return None
-        for k in self.owed_tiers():
-            if k in cands:
-                return k
+        if self._moving:
+            for k in self.owed_tiers():
+                if k in cands:
+                    return k
         return min(cands, key=RANK.__getitem__)
 
     def end_round(self) -> list[str]:
