@@ -7,6 +7,8 @@
   VTC splits the server between them and FCFS queues `chat` behind the flood. Registered for
   `get_workload` and the tiers section of `fairshare sim report` (`worker.sim.tier_report`), not
   in the fairness benchmark's `all_workloads`.
+- tiers-heavy: the same with `chat` at 70 % of capacity, more than the half that weight-1 VTC would
+  give it: tier-blind VTC splits the server and queues `chat`; tiers serve it first.
 """
 
 from __future__ import annotations
@@ -20,4 +22,10 @@ TIERS = Workload(
     (TenantLoad("chat", 0.6, 256, 256, tier="interactive"), TenantLoad("bulk", 3.0, 256, 256, tier="background")),
     duration_s=120.0, source=SRC, returning_tenant="chat")
 
-WORKLOADS = [TIERS]
+TIERS_HEAVY = Workload(
+    "tiers-heavy", "chat (interactive) sends 256/256 at 1.4 req/s (70 % of capacity, above a weight-1 share); bulk "
+    "(background) floods at 3 req/s",
+    (TenantLoad("chat", 1.4, 256, 256, tier="interactive"), TenantLoad("bulk", 3.0, 256, 256, tier="background")),
+    duration_s=120.0, source=SRC, returning_tenant="chat")
+
+WORKLOADS = [TIERS, TIERS_HEAVY]
