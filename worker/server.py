@@ -78,6 +78,7 @@ def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
         msg.timings.queued_iterations = out.queued_iterations
     if out.first_token_iterations is not None:
         msg.timings.first_token_iterations = out.first_token_iterations
+    msg.timings.iteration = out.iteration
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.prompt_tokens = out.prompt_tokens

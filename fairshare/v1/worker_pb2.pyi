@@ -86,16 +86,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queued_s", "first_token_s", "queued_iterations", "first_token_iterations")
+    __slots__ = ("queued_s", "first_token_s", "queued_iterations", "first_token_iterations", "iteration")
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     QUEUED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
     queued_s: float
     first_token_s: float
     queued_iterations: int
     first_token_iterations: int
-    def __init__(self, queued_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., queued_iterations: _Optional[int] = ..., first_token_iterations: _Optional[int] = ...) -> None: ...
+    iteration: int
+    def __init__(self, queued_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., queued_iterations: _Optional[int] = ..., first_token_iterations: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text_delta", "finish_reason", "usage", "timings")

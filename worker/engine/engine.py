@@ -120,6 +120,7 @@ class RequestOutput:
     engine failed the request (then finish_reason is ABORT). queued_iterations /
     first_token_iterations: the same in engine iterations (how many iterations started after the
     request reached the engine until it was first scheduled / its first token committed).
+    iteration: the engine iteration (counted as `snapshot()["iterations"]`) whose step produced it.
     """
 
     request_id: str
@@ -133,6 +134,7 @@ class RequestOutput:
     first_token_s: float | None = None
     queued_iterations: int | None = None
     first_token_iterations: int | None = None
+    iteration: int = 0
     error: str | None = None
 
 
@@ -484,7 +486,7 @@ class Engine:
             else seq.first_scheduled_iteration - seq.arrival_iteration,
             first_token_iterations=None if seq.first_token_iteration is None
             else seq.first_token_iteration - seq.arrival_iteration,
-            error=error,
+            iteration=self.scheduler.core.iteration, error=error,
         )
         if final:
             with self._lock:

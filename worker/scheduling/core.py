@@ -142,6 +142,7 @@ class TenantState:
     partials: deque = field(default_factory=deque)  # running entries that may have prefill left
     backlogged: bool = False
     ver: int = 0                                     # heap entries with another version are stale
+    index: int = 0                                   # order in which the core first saw the tenant
 
     def has_candidates(self) -> bool:
         return bool(self.waiting) or bool(self.partials)
@@ -306,7 +307,8 @@ class SchedulingCore:
         ts = self.tenants.get(tenant_id)
         sched_tier = self.tiers.tier_of(tier)
         if ts is None:
-            ts = self.tenants[tenant_id] = TenantState(tenant_id, float(weight), tier, sched_tier)
+            ts = self.tenants[tenant_id] = TenantState(tenant_id, float(weight), tier, sched_tier,
+                                                       index=len(self.tenants))
         elif ts.tier != tier:
             # a tier change takes effect for the tenant's queued work at once
             if ts.backlogged:
@@ -355,7 +357,9 @@ class SchedulingCore:
         lower tiers still owed now were blocked this iteration (counted)."""
         self.tiers.end_round()
         left = self.executor.prefill_left
-        for tid in self._touched:
+        # in the order tenants were first seen (not set order, which differs between processes: the
+        # last tenant of a tier to go idle sets the counter the next arrival is lifted to)
+        for tid in sorted(self._touched, key=lambda t: self.tenants[t].index):
             ts = self.tenants[tid]
             if ts.backlogged and not ts.waiting and not any(
                     e.running and left(e.handle) - self._alloc.get(e.request_id, 0) > 1 for e in ts.partials):
@@ -451,7 +455,7 @@ class SchedulingCore:
         requests), counted up to `limit`."""
         total = 0
         left = self.executor.prefill_left
-        for tid in self._pending[tier]:
+        for tid in sorted(self._pending[tier]):
             ts = self.tenants[tid]
             for e in ts.partials:
                 if e.running:
@@ -516,8 +520,7 @@ class SchedulingCore:
         """`ts`'s servable head if `ts` is still first in its tier's heap (else None)."""
         key = self._key(ts)
         if self._no_slot():
-            heap = self._partial_heaps[ts.sched_tier] if self._partial_heaps is not None else None
-            top = self._top(heap, partial=True) if heap is not None else None
+            top = self._top(self._partial_heap(ts.sched_tier), partial=True)
         else:
             top = self._top(self._heaps[ts.sched_tier], partial=False)
         if top is not None and top < key:
@@ -669,7 +672,7 @@ class SchedulingCore:
 
     def _refresh(self) -> None:
         """Re-key every tenant whose counter, head or candidacy may have changed."""
-        for tid in self._dirty:
+        for tid in sorted(self._dirty):  # sorted: the same heap on every tensor-parallel rank
             ts = self.tenants.get(tid)
             if ts is None:
                 continue
@@ -684,7 +687,7 @@ class SchedulingCore:
         for tier, heap in self._heaps.items():
             if len(heap) > 4 * len(self._pending[tier]) + 64:  # drop stale entries
                 self._heaps[tier] = []
-                for tid in self._pending[tier]:
+                for tid in sorted(self._pending[tier]):
                     self._push(self.tenants[tid])
 
     def _push(self, ts: TenantState) -> None:
@@ -731,13 +734,14 @@ class SchedulingCore:
         led = self.ledger
         return led.running >= led.max_running and not any(h.slots > 0 for h in led.holds)
 
-    def _pop_partial(self, tier: str) -> Entry | None:
-        """With no slot free: the policy's first tenant of `tier` with a running partial prefill
-        that can take a slice. Its candidates come from the running set (built once per round, at
-        most `max_running` entries), not from every queued tenant."""
+    def _partial_heap(self, tier: str) -> list:
+        """The heap of tenants of `tier` with a running partial prefill, built once per round from
+        the running set (tenants taken out this round, e.g. the one holding the turn, left out)."""
         if self._partial_heaps is None:
             heaps: dict[str, list] = {t: [] for t in TIERS}
-            left, alloc, seen = self.executor.prefill_left, self._alloc, set()
+            left, alloc, seen = self.executor.prefill_left, self._alloc, set(self._out)
+            if self._sticky is not None:
+                seen.add(self._sticky.tenant_id)
             for e in self.running.values():
                 ts = e.tenant
                 if ts.tenant_id not in seen and left(e.handle) - alloc.get(e.request_id, 0) > 0:
@@ -746,7 +750,13 @@ class SchedulingCore:
             for h in heaps.values():
                 heapq.heapify(h)
             self._partial_heaps = heaps
-        heap = self._partial_heaps[tier]
+        return self._partial_heaps[tier]
+
+    def _pop_partial(self, tier: str) -> Entry | None:
+        """With no slot free: the policy's first tenant of `tier` with a running partial prefill
+        that can take a slice. Its candidates come from the running set (built once per round, at
+        most `max_running` entries), not from every queued tenant."""
+        heap = self._partial_heap(tier)
         while heap:
             key, tid = heapq.heappop(heap)
             if tid in self._out:
