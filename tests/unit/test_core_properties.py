@@ -113,6 +113,10 @@ class CoreMachine(RuleBasedStateMachine):
         self._service = {}
         chunks = self.sched.schedule()
         assert chunks or not had_work, "stall: work left but nothing scheduled"
+        for c in chunks:  # what the model runner needs: a running sequence whose blocks hold the chunk
+            s = c.seq
+            assert s.status is SequenceStatus.RUNNING and s.request_id in self.sched.by_id, "chunk of a preempted request"
+            assert len(s.block_table) * 16 >= s.num_computed_tokens + c.num_tokens, "chunk without its KV blocks"
         for c in chunks:
             s = c.seq
             s.num_computed_tokens += c.num_tokens

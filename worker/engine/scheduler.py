@@ -247,12 +247,16 @@ class Scheduler:
 
     def _decode(self, e, chunks: dict[str, ScheduledChunk], budget: int) -> int:
         """One decode token for running entry `e` (preempting the core's victims while no block is
-        free; `e` itself may be the victim). Returns the budget left."""
+        free; `e` itself may be the victim, and a victim scheduled earlier in this step loses its
+        chunk). Returns the budget left."""
         core = self.core
         seq = e.handle
         while e.running and not self.blocks.can_allocate(seq, 1):
             victim = core.decode_victim(e)
             core.preempt(victim, OUT_OF_BLOCKS, e)
+            dropped = chunks.pop(victim.request_id, None)  # a lower tier's decode scheduled earlier this step
+            if dropped is not None:
+                budget += dropped.num_tokens
         if not e.running:
             return budget
         self.blocks.allocate(seq, 1)
