@@ -146,6 +146,12 @@ class KeysFile(BaseModel):
     keys: list[KeyRecord] = Field(default_factory=list)
 
 
+# Markers that begin the gateway's log line about a reload of the tenants/keys files (gateway/auth.py);
+# `fairshare up` forwards such lines to its terminal as one-line notices (fairshare/supervisor.py).
+CONFIG_RELOADED = "config reloaded:"
+CONFIG_REJECTED = "config rejected:"
+
+
 def load_tenants(path: str | os.PathLike) -> TenantsFile:
     """Read and validate a tenants YAML file.
 

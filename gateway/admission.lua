@@ -5,14 +5,24 @@
 --   2 TPM bucket (hash: t, ts)
 --   3 leases zset  (member = lease id, score = expiry time in ms)
 --   4 leases hash  (field = lease id, value = tokens reserved in flight)
+--   5 lease ends hash (field = lease id, value = the time in ms its request is expected to end)
 -- ARGV
 --   1 mode: "admit" (check and, only if every limit allows, charge) or "peek" (report only)
 --   2 rpm limit (requests/min, -1 = unlimited)      3 tpm limit (tokens/min, -1 = unlimited)
 --   4 max in-flight tokens (-1 = unlimited)         5 max concurrent requests (-1 = unlimited)
 --   6 cost in tokens (prompt + max_tokens)          7 lease id            8 lease ttl (ms)
+--   9 expected duration of this request in ms, stored as its lease's end (-1 = unknown)
+--   10.. pairs (lease id, ms): the admitting gateway's current estimate of how long each of its
+--        running leases of this tenant still needs (fresher than the stored ends; not stored)
 -- Buckets hold at most `limit` and refill continuously at limit/60000 per ms; a missing bucket is
 -- full. Expired leases are dropped before counting. Time comes from Redis TIME (one clock for all
 -- gateways). A rejected request changes nothing but the removal of expired leases.
+--
+-- Retry hints (retry_after_ms): for the buckets, the exact refill time; for concurrency and
+-- in-flight tokens, when enough running requests are expected to end (their leases' ends, from the
+-- gateways' measured output rate and the tokens each still may produce, gateway/progress.py); a
+-- lease without an estimate counts as ending at its expiry, one past its estimate as ending in
+-- OVERDUE_MS.
 --
 -- Returns integers:
 --   {admitted(0/1), reason, rpm_limit, rpm_remaining, rpm_reset_ms, tpm_limit, tpm_remaining,
@@ -27,6 +37,9 @@ local conc_limit = tonumber(ARGV[5])
 local cost = tonumber(ARGV[6])
 local lease_id = ARGV[7]
 local ttl_ms = tonumber(ARGV[8])
+
+local expected_ms = tonumber(ARGV[9] or '-1')
+local OVERDUE_MS = 1000
 
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -51,11 +64,12 @@ local function store(key, limit, tokens, rate)
 end
 
 -- drop expired leases
-local zkey, hkey = KEYS[3], KEYS[4]
+local zkey, hkey, ekey = KEYS[3], KEYS[4], KEYS[5]
 local expired = redis.call('ZRANGEBYSCORE', zkey, '-inf', now)
 if #expired > 0 then
   for i = 1, #expired, 1000 do
     redis.call('HDEL', hkey, unpack(expired, i, math.min(i + 999, #expired)))
+    redis.call('HDEL', ekey, unpack(expired, i, math.min(i + 999, #expired)))
   end
   redis.call('ZREMRANGEBYSCORE', zkey, '-inf', now)
 end
@@ -94,18 +108,61 @@ if inflight_limit >= 0 and cost > inflight_limit then
 end
 
 local reason, retry = 0, 0
--- earliest time a lease can end on its own (leases of live requests are renewed, so it is a bound
--- for re-checking rather than a promise)
-local function lease_wait()
-  local first = redis.call('ZRANGE', zkey, 0, 0, 'WITHSCORES')
-  if #first < 2 then return 1000 end
-  return math.max(1, tonumber(first[2]) - now)
+-- HMGET of many fields, in slices (unpack has a stack limit)
+local function hmget_all(key, ids)
+  local out = {}
+  for i = 1, #ids, 1000 do
+    local part = redis.call('HMGET', key, unpack(ids, i, math.min(i + 999, #ids)))
+    for _, v in ipairs(part) do out[#out + 1] = v end
+  end
+  return out
+end
+-- the running leases as {expected end ms, tokens}, soonest end first
+local ends = nil
+local function lease_ends()
+  if ends then return ends end
+  local hinted = {}
+  for i = 10, #ARGV - 1, 2 do hinted[ARGV[i]] = tonumber(ARGV[i + 1]) end
+  local live = redis.call('ZRANGE', zkey, 0, -1, 'WITHSCORES')
+  local ids, expiry = {}, {}
+  for i = 1, #live, 2 do ids[#ids + 1] = live[i]; expiry[#expiry + 1] = tonumber(live[i + 1]) end
+  ends = {}
+  if #ids == 0 then return ends end
+  local stored, toks = hmget_all(ekey, ids), hmget_all(hkey, ids)
+  for i, id in ipairs(ids) do
+    local e = nil
+    if hinted[id] then
+      e = now + math.max(1, hinted[id])
+    else
+      e = tonumber(stored[i])
+      if e == nil then e = expiry[i] elseif e <= now then e = now + OVERDUE_MS end
+    end
+    ends[#ends + 1] = {e, tonumber(toks[i]) or 0}
+  end
+  table.sort(ends, function(a, b) return a[1] < b[1] end)
+  return ends
+end
+-- ms until `count` running requests have ended
+local function wait_for_requests(count)
+  local e = lease_ends()
+  if count < 1 then return 1 end
+  if count > #e then return OVERDUE_MS end
+  return math.max(1, e[count][1] - now)
+end
+-- ms until running requests holding at least `tokens` in-flight tokens have ended
+local function wait_for_tokens(tokens)
+  local freed = 0
+  for _, le in ipairs(lease_ends()) do
+    freed = freed + le[2]
+    if freed >= tokens then return math.max(1, le[1] - now) end
+  end
+  return OVERDUE_MS
 end
 if conc_limit >= 0 and concurrent + 1 > conc_limit then
-  reason = 4; retry = math.max(retry, lease_wait())
+  reason = 4; retry = math.max(retry, wait_for_requests(concurrent + 1 - conc_limit))
 end
 if inflight_limit >= 0 and inflight + cost > inflight_limit then
-  reason = 3; retry = math.max(retry, lease_wait())
+  reason = 3; retry = math.max(retry, wait_for_tokens(inflight + cost - inflight_limit))
 end
 if tpm_limit >= 0 and tpm_tokens < cost then
   reason = 2; retry = math.max(retry, (cost - tpm_tokens) / tpm_rate)
@@ -128,7 +185,8 @@ if tpm_limit >= 0 then
 end
 redis.call('ZADD', zkey, now + ttl_ms, lease_id)
 redis.call('HSET', hkey, lease_id, cost)
-for _, k in ipairs({zkey, hkey}) do
+if expected_ms >= 0 then redis.call('HSET', ekey, lease_id, fmt(now + expected_ms)) end
+for _, k in ipairs({zkey, hkey, ekey}) do
   if redis.call('PTTL', k) < ttl_ms + 1000 then redis.call('PEXPIRE', k, math.ceil(ttl_ms) + 1000) end
 end
 return result(1, 0, 0, rpm_tokens, tpm_tokens, inflight + cost, concurrent + 1)

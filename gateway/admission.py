@@ -11,8 +11,13 @@ tokens and releases the lease; it is idempotent (guarded here and in Redis by th
 lease).
 `Admission.reinstate` re-creates the lease of a request still running when Redis lost it.
 
-Keys are ``<prefix>:{<tenant>}:rpm|tpm|leases|lease_tokens``; the ``{tenant}`` hash tag keeps a
-tenant's keys in one Redis Cluster slot.
+Each lease also carries when its request is expected to end (``lease_ends``: set at admission from
+the gateway's measured output rate, refreshed at every renewal, gateway/progress.py), so a 429 for
+concurrency or in-flight tokens says when enough running requests will have ended (see
+``admission.lua``) rather than quoting the lease TTL.
+
+Keys are ``<prefix>:{<tenant>}:rpm|tpm|leases|lease_tokens|lease_ends``; the ``{tenant}`` hash tag
+keeps a tenant's keys in one Redis Cluster slot.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import math
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Awaitable, Callable, Iterable
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from fairshare.config import TenantConfig
 
@@ -32,11 +39,13 @@ from fairshare.config import TenantConfig
 _ADMIT_LUA = (Path(__file__).with_name("admission.lua")).read_text(encoding="utf-8")
 
 _SETTLE_LUA = """
--- KEYS: 1 TPM bucket, 2 leases zset, 3 leases hash.  ARGV: 1 tpm limit (-1 = none), 2 lease id,
--- 3 refund (tokens). Refunds only if the lease was still held, so a repeated call changes nothing.
+-- KEYS: 1 TPM bucket, 2 leases zset, 3 leases hash, 4 lease ends hash.  ARGV: 1 tpm limit (-1 = none),
+-- 2 lease id, 3 refund (tokens). Refunds only if the lease was still held, so a repeated call changes
+-- nothing.
 local limit, id, refund = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local had = redis.call('HDEL', KEYS[3], id)
 redis.call('ZREM', KEYS[2], id)
+redis.call('HDEL', KEYS[4], id)
 if had == 1 and limit >= 0 and refund > 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
@@ -53,14 +62,16 @@ return had
 """
 
 _RENEW_LUA = """
--- KEYS: 1 leases zset, 2 leases hash. ARGV: 1 ttl (ms), 2 lease id. Extends a lease that still
+-- KEYS: 1 leases zset, 2 leases hash, 3 lease ends hash. ARGV: 1 ttl (ms), 2 lease id, 3 expected
+-- remaining ms of its request (-1 = unknown: the stored end stays). Extends a lease that still
 -- exists (never re-creates a settled or expired one). Returns 1 when renewed.
-local ttl, id = tonumber(ARGV[1]), ARGV[2]
+local ttl, id, left = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3] or '-1')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local score = redis.call('ZSCORE', KEYS[1], id)
 if not score or tonumber(score) <= now then return 0 end
 redis.call('ZADD', KEYS[1], 'XX', now + ttl, id)
+if left >= 0 then redis.call('HSET', KEYS[3], id, string.format('%.17g', now + left)) end
 for _, k in ipairs(KEYS) do
   if redis.call('PTTL', k) < ttl + 1000 then redis.call('PEXPIRE', k, math.ceil(ttl) + 1000) end
 end
@@ -68,16 +79,18 @@ return 1
 """
 
 _REINSTATE_LUA = """
--- KEYS: 1 leases zset, 2 leases hash. ARGV: 1 ttl (ms), 2 lease id, 3 tokens. (Re)creates the lease of
+-- KEYS: 1 leases zset, 2 leases hash, 3 lease ends hash. ARGV: 1 ttl (ms), 2 lease id, 3 tokens,
+-- 4 expected remaining ms (-1 = unknown). (Re)creates the lease of
 -- a request that is still running but whose lease Redis lost (restarted empty, or expired while
 -- Redis was unreachable), or moves a lease held locally during an outage into Redis. Returns 1 when
 -- the lease had to be created, 0 when it existed (then only its expiry is extended).
-local ttl, id, tokens = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+local ttl, id, tokens, left = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4] or '-1')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
 local existed = redis.call('HEXISTS', KEYS[2], id)
 redis.call('ZADD', KEYS[1], now + ttl, id)
 redis.call('HSET', KEYS[2], id, tokens)
+if left >= 0 then redis.call('HSET', KEYS[3], id, string.format('%.17g', now + left)) end
 for _, k in ipairs(KEYS) do
   if redis.call('PTTL', k) < ttl + 1000 then redis.call('PEXPIRE', k, math.ceil(ttl) + 1000) end
 end
@@ -150,6 +163,13 @@ class Lease:
     store: str = "redis"
     tpm_store: str = "redis"
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    # () -> seconds its request still needs (None: unknown); set by the app once the request runs
+    remaining_s: Callable[[], float | None] | None = field(default=None, repr=False)
+
+    def remaining_ms(self) -> int:
+        """Expected remaining milliseconds of its request, or -1 when unknown (the scripts' convention)."""
+        left = self.remaining_s() if self.remaining_s is not None else None
+        return -1 if left is None else max(0, round(left * 1000))
 
 
 @dataclass(frozen=True)
@@ -176,17 +196,33 @@ def tenant_keys(prefix: str, tenant_id: str) -> list[str]:
     return [f"{base}:rpm", f"{base}:tpm", f"{base}:leases", f"{base}:lease_tokens"]
 
 
+def lease_ends_key(prefix: str, tenant_id: str) -> str:
+    """The hash of a tenant's leases' expected end times (ms, Redis clock), in the tenant's slot."""
+    return f"{prefix}:{{{tenant_id}}}:lease_ends"
+
+
+MAX_HINTS = 64  # running leases whose fresh estimate one admission call carries (the soonest to end)
+
+
 def _lim(v: int | None) -> int:
     return -1 if v is None else int(v)
 
 
 class Admission:
-    """Per-tenant admission in Redis (see module docstring). Raises redis exceptions when Redis fails."""
+    """Per-tenant admission in Redis (see module docstring). Raises redis exceptions when Redis fails.
+
+    on_scripts_lost: an async callable run when Redis answers an admission with NOSCRIPT (it lost
+    the scripts: restarted, or flushed) before the scripts are loaded again and the call repeated;
+    `gateway.outage.AdmissionControl` restores the leases of running requests there, so that the
+    admission that follows counts them.
+    """
 
     def __init__(self, redis: Redis | RedisCluster, prefix: str = "fairshare", lease_ttl_s: float = 15.0) -> None:
         self.redis = redis
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
+        self.on_scripts_lost: Callable[[], Awaitable[None]] | None = None
+        self.scripts_lost = 0  # times Redis was found without the scripts
         self._admit = redis.register_script(_ADMIT_LUA)
         self._settle = redis.register_script(_SETTLE_LUA)
         self._renew = redis.register_script(_RENEW_LUA)
@@ -201,6 +237,22 @@ class Admission:
         """Redis keys of a tenant: RPM bucket, TPM bucket, lease zset, lease hash (one hash slot)."""
         return tenant_keys(self.prefix, tenant_id)
 
+    def ends_key(self, tenant_id: str) -> str:
+        """The tenant's lease-ends hash (same hash slot as `keys`)."""
+        return lease_ends_key(self.prefix, tenant_id)
+
+    async def _eval_admit(self, keys: list[str], args: list):
+        """Run the admission script; when Redis lost it, call `on_scripts_lost`, reload, repeat."""
+        sha = self._admit.sha
+        try:
+            return await self.redis.evalsha(sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self.scripts_lost += 1
+            if self.on_scripts_lost is not None:
+                await self.on_scripts_lost()
+            await self.load()
+            return await self.redis.evalsha(self._admit.sha, len(keys), *keys, *args)
+
     @staticmethod
     def _decision(raw: list, tenant: TenantConfig, lease: Lease | None) -> Decision:
         vals = [int(x) for x in raw]
@@ -212,24 +264,37 @@ class Admission:
         return Decision(bool(admitted), REASONS.get(reason, str(reason)), state, retry_ms / 1000, inflight, conc,
                         lease if admitted else None)
 
-    def _args(self, mode: str, tenant: TenantConfig, cost: int, lease_id: str) -> list:
+    def _args(self, mode: str, tenant: TenantConfig, cost: int, lease_id: str, expected_s: float | None = None,
+              running: Iterable[Lease] = ()) -> list:
         lim = tenant.limits
-        return [mode, _lim(lim.rpm), _lim(lim.tpm), _lim(lim.max_inflight_tokens), _lim(lim.max_concurrent_requests),
-                int(cost), lease_id, int(self.lease_ttl_s * 1000)]
+        args = [mode, _lim(lim.rpm), _lim(lim.tpm), _lim(lim.max_inflight_tokens), _lim(lim.max_concurrent_requests),
+                int(cost), lease_id, int(self.lease_ttl_s * 1000),
+                -1 if expected_s is None else max(0, round(expected_s * 1000))]
+        if lim.max_inflight_tokens is not None or lim.max_concurrent_requests is not None:
+            hints = sorted((ms, le.lease_id) for le in running if not le.settled and (ms := le.remaining_ms()) >= 0)
+            for ms, lid in hints[:MAX_HINTS]:
+                args += [lid, ms]
+        return args
 
-    async def admit(self, tenant: TenantConfig, cost: int, lease_id: str | None = None) -> Decision:
+    async def admit(self, tenant: TenantConfig, cost: int, lease_id: str | None = None, *,
+                    expected_s: float | None = None, running: Iterable[Lease] = ()) -> Decision:
         """Admit a request reserving `cost` tokens (prompt + max_tokens), all-or-nothing, one round trip.
 
+        expected_s: how long the request is expected to run (seconds; None: unknown), stored as its
+        lease's end. running: this gateway's running leases of the tenant, whose current estimates
+        (`Lease.remaining_s`) the retry hint of a concurrency or in-flight 429 uses.
         On success the decision carries a `Lease` that must be settled with `settle`.
         """
         lease_id = lease_id or uuid.uuid4().hex
-        raw = await self._admit(keys=self.keys(tenant.id), args=self._args("admit", tenant, cost, lease_id))
+        raw = await self._eval_admit(self.keys(tenant.id) + [self.ends_key(tenant.id)],
+                                     self._args("admit", tenant, cost, lease_id, expected_s, running))
         lease = Lease(tenant.id, lease_id, int(cost), tenant.limits.tpm)
         return self._decision(raw, tenant, lease)
 
     async def peek(self, tenant: TenantConfig) -> Decision:
         """Report the tenant's buckets and leases without charging anything."""
-        raw = await self._admit(keys=self.keys(tenant.id), args=self._args("peek", tenant, 0, "-"))
+        raw = await self._eval_admit(self.keys(tenant.id) + [self.ends_key(tenant.id)],
+                                     self._args("peek", tenant, 0, "-"))
         return self._decision(raw, tenant, None)
 
     async def settle(self, lease: Lease, used_tokens: int) -> bool:
@@ -249,29 +314,35 @@ class Admission:
         limit `tpm_limit` (None: no refund). No guard on this side: safe to repeat (a second call finds
         no lease and refunds nothing). Returns True when the lease was held."""
         k = self.keys(tenant_id)
-        had = await self._settle(keys=[k[1], k[2], k[3]], args=[_lim(tpm_limit), lease_id, int(refund)])
+        had = await self._settle(keys=[k[1], k[2], k[3], self.ends_key(tenant_id)],
+                                 args=[_lim(tpm_limit), lease_id, int(refund)])
         return bool(had)
 
     async def renew(self, leases: list[Lease]) -> int:
         """Extend every live lease by the TTL in one pipelined round trip; returns how many were renewed."""
         return sum(await self.renew_each(leases))
 
+    def _lease_keys(self, tenant_id: str) -> list[str]:
+        k = self.keys(tenant_id)
+        return [k[2], k[3], self.ends_key(tenant_id)]
+
     async def renew_each(self, leases: list[Lease]) -> list[bool]:
-        """Extend every unsettled lease of `leases` by the TTL (one pipelined round trip); for each of
-        them, whether Redis still held it (settled ones are skipped and count as False)."""
+        """Extend every unsettled lease of `leases` by the TTL and refresh its expected end (one
+        pipelined round trip); for each of them, whether Redis still held it (settled ones are skipped
+        and count as False)."""
         live = [le for le in leases if not le.settled]
         out = [False] * len(leases)
         if not live:
             return out
         ttl_ms = int(self.lease_ttl_s * 1000)
         if not isinstance(self.redis, Redis):  # Redis Cluster: one call per lease, each to its slot's node
-            res = await asyncio.gather(*(self._renew(keys=self.keys(le.tenant_id)[2:], args=[ttl_ms, le.lease_id])
-                                         for le in live))
+            res = await asyncio.gather(*(self._renew(keys=self._lease_keys(le.tenant_id),
+                                                     args=[ttl_ms, le.lease_id, le.remaining_ms()]) for le in live))
         else:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for le in live:
-                    k = self.keys(le.tenant_id)
-                    await self._renew(keys=[k[2], k[3]], args=[ttl_ms, le.lease_id], client=pipe)
+                    await self._renew(keys=self._lease_keys(le.tenant_id),
+                                      args=[ttl_ms, le.lease_id, le.remaining_ms()], client=pipe)
                 res = await pipe.execute()
         renewed = {id(le) for le, r in zip(live, res) if int(r)}
         return [id(le) in renewed for le in leases]
@@ -279,9 +350,9 @@ class Admission:
     async def reinstate(self, lease: Lease) -> bool:
         """Hold `lease` in Redis again (its tokens, a fresh TTL) whatever Redis remembers of it: for a
         request that is still running. Returns True when Redis did not hold it."""
-        k = self.keys(lease.tenant_id)
-        created = await self._reinstate(keys=[k[2], k[3]],
-                                        args=[int(self.lease_ttl_s * 1000), lease.lease_id, int(lease.tokens)])
+        created = await self._reinstate(keys=self._lease_keys(lease.tenant_id),
+                                        args=[int(self.lease_ttl_s * 1000), lease.lease_id, int(lease.tokens),
+                                              lease.remaining_ms()])
         return bool(int(created))
 
     async def leases(self, tenant_id: str) -> dict[str, int]:
@@ -294,6 +365,11 @@ class Admission:
             return {}
         vals = await self.redis.hmget(k[3], live)
         return {(m.decode() if isinstance(m, bytes) else m): int(float(v)) for m, v in zip(live, vals) if v is not None}
+
+    async def ends(self, tenant_id: str) -> dict[str, float]:
+        """The stored expected end (ms, Redis clock) of each of the tenant's leases that has one."""
+        raw = await self.redis.hgetall(self.ends_key(tenant_id))
+        return {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}
 
     async def bucket(self, tenant_id: str, which: str) -> tuple[float, float] | None:
         """Stored (tokens, timestamp ms) of the ``rpm`` or ``tpm`` bucket, or None when absent (= full)."""

@@ -41,6 +41,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig, Tier
 from fairshare.telemetry import make_tracer_provider
 from fairshare.v1 import worker_pb2 as pb
@@ -49,11 +50,12 @@ from . import schemas
 from .admission import Admission, Decision, Lease
 from .auth import Principal, TenantDirectory, bearer_key
 from .config import GatewaySettings
-from .errors import (APIError, from_validation_error, install_handlers, invalid_request, model_not_found, unavailable,
-                     upstream_timeout)
+from .errors import (APIError, from_validation_error, install_handlers, invalid_request, model_not_found, retry_headers,
+                     unavailable, upstream_timeout)
 from .metrics import UNKNOWN_TENANT, GatewayMetrics
 from .openapi import openapi_document
 from .outage import AdmissionControl, RedisUnavailable
+from .progress import OutputRates
 from .routing import Generation, ModelEntry, WorkerPool, start_generation
 from .sse import DONE, SSEResponse, event
 from .tokenization import TemplateError, load_tokenizer_dir
@@ -78,6 +80,7 @@ class Gateway:
     metrics: GatewayMetrics
     live: set["Session"] = field(default_factory=set)
     tracer: trace.Tracer = field(default_factory=gateway_tracer)
+    rates: OutputRates = field(default_factory=OutputRates)  # measured output rate per model (retry hints)
     draining: bool = False  # SIGTERM received: new requests get 503, open ones finish until the deadline
     _drain_task: asyncio.Task | None = None
 
@@ -116,6 +119,9 @@ class Job:
     finish_reason: str | None = None
     usage: pb.Usage | None = None
     error: grpc.aio.AioRpcError | None = None  # how its stream failed, if it did
+    first_at: float | None = None  # perf_counter() of its first and latest output tokens (gateway/progress.py)
+    last_at: float | None = None
+    first_tokens: int = 0  # tokens in the message that carried the first ones
 
 
 class Session:
@@ -160,6 +166,10 @@ class Session:
         if self.first_token_at is None and (msg.token_ids or msg.text_delta):
             self.first_token_at = time.perf_counter()
             self.gw.metrics.ttft.labels(self.tenant.id, self.model).observe(self.first_token_at - self.t0)
+        if msg.token_ids:
+            job.last_at = time.perf_counter()
+            if job.first_at is None:
+                job.first_at, job.first_tokens = job.last_at, len(msg.token_ids)
         job.completion_tokens += len(msg.token_ids)
         if msg.text_delta:
             job.text.append(msg.text_delta)
@@ -226,6 +236,7 @@ class Session:
             if j.gen is not None:
                 j.gen.close()
         self.gw.live.discard(self)
+        self.gw.rates.observe_jobs(self.model, self.jobs)
         p, c, k = self.usage()
         used = p + c
         m = self.gw.metrics
@@ -322,8 +333,6 @@ def _context_error(ctx: int, prompt_len: int, max_tokens: int | None, param: str
 
 
 def _rate_limit_error(tenant: TenantConfig, model: str, d: Decision, cost: int) -> APIError:
-    retry_s = max(1, int(-(-d.retry_after_s // 1)))  # ceil, at least 1 s
-    retry_ms = max(1, int(round(d.retry_after_s * 1000)))
     st = d.state
     lim = tenant.limits
     wait = _human(d.retry_after_s)
@@ -345,8 +354,7 @@ def _rate_limit_error(tenant: TenantConfig, model: str, d: Decision, cost: int) 
         msg = (f"Rate limit reached for {model} for tenant {tenant.id} on concurrent requests: Limit "
                f"{lim.max_concurrent_requests}, Running {d.concurrent}. Please try again in {wait}.")
     headers = st.headers()
-    headers["retry-after"] = str(retry_s)
-    headers["retry-after-ms"] = str(retry_ms)
+    headers.update(retry_headers(d.retry_after_s))
     return APIError(429, msg, typ, None, "rate_limit_exceeded", headers)
 
 
@@ -386,6 +394,7 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
         tracer_provider = owned_provider = make_tracer_provider("fairshare-gateway", settings.otel_exporter)
     tracer = gateway_tracer(tracer_provider)
     local_tok = load_tokenizer_dir(settings.tokenizer) if settings.tokenizer else None
+    rates = OutputRates()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -404,6 +413,8 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
             log.error("Redis at %s is not reachable yet (%s); admission will retry per request", settings.redis_url,
                       type(e).__name__)
         control.start()
+        watcher = asyncio.get_running_loop().create_task(directory.watch(), name="tenants-watch")
+        metrics.track(directory, rates)
         admin = None
         if settings.metrics_port:
             from prometheus_client import start_http_server
@@ -414,7 +425,7 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
                           health_timeout_s=settings.health_timeout_s, local_tokenizer=local_tok, metrics=metrics)
         await pool.start(wait_s=0.0)
         await pool.poll_once()
-        app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer)
+        app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer, rates=rates)
         try:
             yield
         finally:
@@ -424,6 +435,7 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
                 await s.settle()
             if gw._drain_task is not None:
                 gw._drain_task.cancel()
+            await cancel_and_wait(watcher)
             await pool.stop()
             await control.stop()
             await redis.aclose()
@@ -596,7 +608,8 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     entry = gw.pool.model(model) if tenant.may_use(model) else None
     if entry is None:
         if tenant.may_use(model) and (model in gw.pool.models or not gw.pool.models):
-            raise unavailable(f"No worker is serving model `{model}` right now.")
+            raise unavailable(f"No worker is serving model `{model}` right now.",
+                              retry_after_s=gw.pool.retry_after_s(model))
         raise model_not_found(model)
 
     if req.stop_token_ids and max(req.stop_token_ids) >= entry.tokenizer.vocab_size():
@@ -660,7 +673,8 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
                                          attributes={"fairshare.cost_tokens": cost}) as adm_span:
         ta = time.perf_counter()
         try:
-            decision = await gw.control.admit(tenant, cost, lease_id=rid)
+            decision = await gw.control.admit(tenant, cost, lease_id=rid,
+                                              expected_s=gw.rates.seconds_for(model, max_tokens))
         except RedisUnavailable as e:  # Redis is down and this tier fails closed
             m.admission_latency.labels(tenant.id, "error").observe(time.perf_counter() - ta)
             set_error(adm_span, "redis_unavailable")
@@ -689,6 +703,7 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
             seed = None if req.seed is None else (req.seed + i + 2**63) % 2**64 - 2**63  # stays an int64
             jobs.append(Job(index=g * n + i, group=g, prompt_ids=p, max_tokens=max_tokens, seed=seed))
     session = Session(gw, principal, entry, model, jobs, lease, decision, rid, "chat" if kind == "chat" else "text", t0)
+    lease.remaining_s = lambda: gw.rates.remaining_s(model, jobs)  # refreshed in Redis at each renewal
     gw.live.add(session)
 
     try:  # until the first token (which may wait in the worker's queue), still watching the client

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import hmac
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from fairshare.config import KeyRecord, KeysFile, TenantConfig, TenantsFile, load_keys, load_tenants, save_keys
+from fairshare.config import (CONFIG_REJECTED, CONFIG_RELOADED, KeyRecord, KeysFile, TenantConfig, TenantsFile,
+                              load_keys, load_tenants, save_keys)
 
 from .errors import APIError, invalid_api_key, missing_api_key
 
@@ -179,15 +181,22 @@ class TenantDirectory:
         try:
             self.reload()
             self._bad_stamp = None
-            log.info("reloaded tenants/keys")
+            log.info("%s %d tenant(s) from %s", CONFIG_RELOADED, len(self._tenants), self._tenants_file)
         except (OSError, ValueError, yaml.YAMLError) as exc:  # an operator's mistake: one line, once per edit
             self._bad_stamp = stamp
             text = " ".join(str(exc).split())
-            log.error("could not reload tenants/keys (%s: %s); keeping the previous configuration",
-                      type(exc).__name__, text[:500])
+            log.error("%s could not reload tenants/keys (%s: %s); keeping the previous configuration",
+                      CONFIG_REJECTED, type(exc).__name__, text[:500])
         except Exception:  # keep serving with the previous configuration
             self._bad_stamp = stamp
-            log.exception("could not reload tenants/keys; keeping the previous configuration")
+            log.exception("%s could not reload tenants/keys; keeping the previous configuration", CONFIG_REJECTED)
+
+    async def watch(self, interval_s: float | None = None) -> None:
+        """Check the files every `interval_s` seconds (default: the reload interval) until cancelled,
+        so an edit is applied, or refused with its one log line, without waiting for a request."""
+        while True:
+            await asyncio.sleep(interval_s or self._reload_interval_s)
+            self.maybe_reload()
 
     # -- queries ---------------------------------------------------------------------------------
     def tenants(self) -> dict[str, TenantConfig]:

@@ -76,12 +76,17 @@ def server_error(message: str = "The server had an error while processing your r
     return APIError(500, message, "server_error", None, None)
 
 
+def retry_headers(retry_after_s: float) -> dict[str, str]:
+    """``retry-after`` (whole seconds, rounded up, at least 1) and ``retry-after-ms`` (milliseconds,
+    at least 1; the official openai-python client prefers it) for a wait of `retry_after_s` seconds."""
+    return {"retry-after": str(max(1, math.ceil(retry_after_s))),
+            "retry-after-ms": str(max(1, round(retry_after_s * 1000)))}
+
+
 def unavailable(message: str, retry_after_s: float | None = None) -> APIError:
-    """503 ``server_error`` (no worker, Redis down, shutting down); with `retry_after_s`, a
-    ``retry-after`` header (whole seconds, at least 1)."""
-    headers = {}
-    if retry_after_s is not None:
-        headers["retry-after"] = str(max(1, math.ceil(retry_after_s)))
+    """503 ``server_error`` (no worker, Redis down, shutting down); with `retry_after_s`, the
+    `retry_headers` of that wait."""
+    headers = retry_headers(retry_after_s) if retry_after_s is not None else {}
     return APIError(503, message, "server_error", None, "service_unavailable", headers)
 
 

@@ -8,6 +8,7 @@ label. docs/observability.md lists every series.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -63,6 +64,41 @@ class GatewayMetrics:
                                      "admitted, unfinished requests (prompt + n * max_tokens)", ["tenant"],
                                      registry=r)
 
+    def track(self, directory=None, rates=None) -> None:
+        """Also export, read at scrape time, each configured tenant's weight and tier (`directory`: a
+        `gateway.auth.TenantDirectory`) and the measured per-stream output rate of each model (`rates`:
+        a `gateway.progress.OutputRates`). `fairshare top` reads both. Calling it again re-targets
+        the same collector (an app whose lifespan runs twice does not register it twice)."""
+        if getattr(self, "_config", None) is None:
+            self._config = _ConfigCollector(directory, rates)
+            self.registry.register(self._config)
+        self._config.directory, self._config.rates = directory, rates
+
     def render(self) -> bytes:
         """The text exposition format of every metric."""
         return generate_latest(self.registry)
+
+
+class _ConfigCollector:
+    """``fairshare_gateway_tenant_weight{tenant,tier}`` and ``fairshare_gateway_output_tokens_per_second{model}``."""
+
+    def __init__(self, directory, rates) -> None:
+        self.directory, self.rates = directory, rates
+
+    def describe(self):
+        return []  # collected lazily
+
+    def collect(self):
+        if self.directory is not None:
+            fam = GaugeMetricFamily("fairshare_gateway_tenant_weight", "Configured weight of each tenant (label: its "
+                                    "tier), from the tenants file in force", labels=["tenant", "tier"])
+            for t in self.directory.tenants().values():
+                fam.add_metric([t.id, t.tier.value], float(t.weight))
+            yield fam
+        if self.rates is not None:
+            fam = GaugeMetricFamily("fairshare_gateway_output_tokens_per_second", "Measured output rate of one "
+                                    "stream (tokens/s, moving mean over finished requests), per model; the basis "
+                                    "of the retry hints of concurrency and in-flight 429s", labels=["model"])
+            for model, r in sorted(self.rates.rates().items()):
+                fam.add_metric([model], r)
+            yield fam

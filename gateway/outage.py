@@ -26,6 +26,11 @@ Recovery (the first PING that succeeds), before any request is admitted through 
 
 Every Redis call made for one lease (renew, re-create, release) holds that lease's lock, so a
 settlement can never be overtaken by a re-creation of the same lease.
+
+A Redis that restarts between two calls (faster than this replica notices it is gone: redis-py
+reconnects on its own) is detected by the admission script it no longer has (NOSCRIPT): the leases
+of every running request are then renewed or re-created (step 3 above) before that admission runs,
+so it counts them.
 """
 
 from __future__ import annotations
@@ -182,6 +187,7 @@ class AdmissionControl:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._recover_lock = asyncio.Lock()
+        admission.on_scripts_lost = self._scripts_lost
         self._gauge()
 
     @property
@@ -211,15 +217,28 @@ class AdmissionControl:
                   self.local.replicas)
         self._wake.set()
 
+    async def _scripts_lost(self) -> None:
+        """Redis answered NOSCRIPT: it restarted (or was flushed) since the scripts were loaded. Renew
+        or re-create the leases of every running request before the admission that found it runs."""
+        running = sum(1 for le in self.live.values() if le.store == "redis" and not le.settled)
+        log.warning("Redis does not have the admission scripts (restarted, flushed, or not reachable when this "
+                    "gateway started); restoring the leases of %d running request(s) before admitting", running)
+        await self.admission.load()
+        await self.renew_all()
+
     # -- admission ---------------------------------------------------------------------------------
-    async def admit(self, tenant: TenantConfig, cost: int, lease_id: str) -> Decision:
+    async def admit(self, tenant: TenantConfig, cost: int, lease_id: str, expected_s: float | None = None) -> Decision:
         """Admit through Redis, or by the tier's outage policy while Redis is down.
 
+        expected_s: how long the request is expected to run (seconds; None: unknown): its lease's
+        expected end, for the retry hints of later 429s (gateway/progress.py).
         Raises RedisUnavailable when Redis is down and the tier fails closed.
         """
         if self.up:
+            running = [le for le in self.live.values() if le.tenant_id == tenant.id and le.store == "redis"]
             try:
-                d = await self.admission.admit(tenant, cost, lease_id=lease_id)
+                d = await self.admission.admit(tenant, cost, lease_id=lease_id, expected_s=expected_s,
+                                               running=running)
             except REDIS_ERRORS as e:
                 self.went_down(e)
                 # the call may have been applied before the connection broke: release it (with a full

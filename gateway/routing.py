@@ -5,6 +5,9 @@
   per (re)connection, ``GetLoad`` for the worker's in-flight tokens), groups workers by model, checks
   that every worker of a model reports the same tokenizer (sha256 of tokenizer json + chat template,
   or the gateway's own ``--tokenizer``) and picks the worker with the fewest in-flight tokens.
+- `WorkerPool.retry_after_s`: the retry hint of a 503 while no worker serves a model: how long the
+  last outage of a worker of that model lasted, minus how long the current one has lasted, and never
+  less than the health poll interval (the soonest the pool can see a worker come back).
 - `start_generation`: opens a ``Generate`` stream and reads until the first token; a worker that fails
   before that is abandoned (its call cancelled) and the request retried on another worker. Each
   attempt is a ``gateway.worker_call`` CLIENT span whose W3C trace context travels in the call's
@@ -73,6 +76,8 @@ class WorkerClient:
     remote_inflight: int = 0
     local_at_poll: int = 0
     last_error: str = ""
+    last_model: str | None = None  # the model it served before it went down (info is cleared then)
+    down_since: float | None = None  # time.monotonic() when it stopped being usable; None while usable
     stub: pb_grpc.WorkerStub | None = field(default=None, repr=False)
     health: health_pb2_grpc.HealthStub | None = field(default=None, repr=False)
 
@@ -122,6 +127,7 @@ class WorkerPool:
         self._metrics = metrics
         self._first_round = asyncio.Event()
         self._adopt_lock = asyncio.Lock()
+        self.recovery_s: dict[str, float] = {}  # model -> how long its last worker outage lasted (s)
 
     # -- polling ---------------------------------------------------------------------------------
     async def _check(self, w: WorkerClient) -> None:
@@ -159,8 +165,29 @@ class WorkerPool:
         self._gauge(w)
 
     def _gauge(self, w: WorkerClient) -> None:
+        self._track_outage(w)
         if self._metrics is not None:
             self._metrics.worker_up.labels(w.addr).set(1 if w.usable else 0)
+
+    def _track_outage(self, w: WorkerClient) -> None:
+        """Note when `w` stops being usable and, when it is back, how long that took (per model)."""
+        if w.usable:
+            w.last_model = w.model
+            if w.down_since is not None:
+                self.recovery_s[w.model] = time.monotonic() - w.down_since
+                w.down_since = None
+        elif w.down_since is None and w.last_model is not None:
+            w.down_since = time.monotonic()
+
+    def retry_after_s(self, model: str) -> float:
+        """Seconds a client should wait before retrying while no worker serves `model` (503): the
+        remainder of the expected outage (the last outage of a worker of this model), at least the
+        health poll interval; the interval when no outage of the model was seen end yet."""
+        downs = [w.down_since for w in self.workers if w.down_since is not None and w.last_model == model]
+        expected = self.recovery_s.get(model)
+        if expected is None or not downs:
+            return self.health_interval_s
+        return max(self.health_interval_s, expected - (time.monotonic() - min(downs)))
 
     async def _adopt(self, w: WorkerClient, info: pb.ModelInfo) -> None:
         """Record a worker's ModelInfo; build or check the model's tokenizer (one worker at a time)."""
@@ -401,14 +428,15 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
             last = f"worker {w.addr}: {e.code().name} {e.details()}"
             log.warning("generation failed before the first token (%s); retrying on another worker", last)
             if e.code() == grpc.StatusCode.UNAVAILABLE:
-                w.healthy = False
+                pool.mark_failed(w, "UNAVAILABLE before the first token")
             if metrics is not None:
                 metrics.worker_retries.labels(w.addr).inc()
         except BaseException:
             gen.close()
             raise
     log.warning("no worker could serve request %s (%s)", base_id, last)
-    raise unavailable("No worker could serve the request right now; please retry.", retry_after_s=1)
+    raise unavailable("No worker could serve the request right now; please retry.",
+                      retry_after_s=pool.retry_after_s(model))
 
 
 __all__ = ["APIError", "Generation", "ModelEntry", "WorkerClient", "WorkerPool", "start_generation"]

@@ -59,18 +59,22 @@ def test_bad_values_are_argparse_errors(argv, message, capsys):
 
 
 def test_fairshare_up_passes_tier_flags_to_its_worker(capsys):
-    from fairshare.up import build_parser as up_parser
-    from fairshare.up import worker_command
+    from fairshare import up
 
     def worker_args(*argv: str) -> list[str]:
-        cmd = worker_command(up_parser().parse_args(list(argv)))
+        args = up.build_parser().parse_args(list(argv))
+        up.resolve_ports(args)
+        cmd = up.worker_command(args)
         return cmd[cmd.index("worker") + 1:]
 
-    assert not [a for a in worker_args() if a.startswith(("--tier", "--decode"))]  # the worker's own defaults
-    args = worker_args("--tier-min-share", "background=0.1", "--iteration-token-target", "16")
+    assert not [a for a in worker_args() if a.startswith(("--tier", "--no-tier", "--iteration"))]  # the worker's own
+    args = worker_args("--tier-min-share", "background=0.1", "--iteration-token-target", "16", "--no-tier-scheduling")
     p = build_parser()
+    ns = p.parse_args(args)
+    assert ns.tier_min_share == [("background", 0.1)] and ns.iteration_token_target == 16 and ns.tier_scheduling is False
+    args = worker_args("--tier-min-share", "background=0.1", "--iteration-token-target", "16")
     assert tier_settings(p, p.parse_args(args)) == {"tier_scheduling": True, "tier_min_shares": {"background": 0.1},
                                                     "iteration_token_target": 16}
     with pytest.raises(SystemExit) as exc:
-        up_parser().parse_args(["--tier-min-share", "background=2"])
+        up.build_parser().parse_args(["--tier-min-share", "background=2"])
     assert exc.value.code == 2 and "--tier-min-share" in capsys.readouterr().err
