@@ -150,9 +150,7 @@ def _tier_violations(t) -> list[str]:
 
 
 @pytest.mark.parametrize("executor", [
-    pytest.param("reference", marks=pytest.mark.xfail(strict=True, reason=(
-        "worker/engine/scheduler.py is tier-blind: 31 of inter's 33 requests wait over an iteration (up to 38; 6 "
-        "not admitted in 200 iterations), shares inter 0.331 / batch 0.326 / bg 0.343"))),
+    "reference",  # the scheduling core (worker/scheduling/tiers.py): strict priority with minimum shares
     pytest.param("sglang", marks=pytest.mark.xfail(strict=True, reason=(
         "the plugin is tier-blind (FairShareState orders by VTC counter only; no tier preemption): 32 of inter's "
         "33 requests wait over an iteration (up to 37; 5 not admitted in 200 iterations), shares inter 0.334 / "
