@@ -18,7 +18,8 @@ Times are `time.perf_counter` intervals; the timing wrappers' own cost (measured
 subtracted. The median is robust to a shared machine's other processes; the p99 is not. Python's
 cyclic garbage collector is paused during the timed iterations (as `timeit` does; it runs
 every 50 iterations outside them), since a collection pass is charged to whatever code happens to
-run. Prints the median and p99 in milliseconds (goal: core ≤ 0.2 ms at 1,000 waiting requests over 100
+run. `--sc3` adds case SC3's TTFT in wall seconds on the reference engine with the random tiny model
+(the test asserts it in iterations). Prints the median and p99 in milliseconds (goal: core ≤ 0.2 ms at 1,000 waiting requests over 100
 tenants in 3 tiers, 1 % of a 20 ms GPU iteration) and how they grow with tenants and with waiting
 requests. Wall-clock figures of this machine: run it on the machine you want figures for.
 """
@@ -148,6 +149,63 @@ def _commit(sched: Scheduler, chunks) -> None:
                 sched.finish(s, FinishReason.LENGTH)
 
 
+def sc3(repeats: int = 5) -> list[str]:
+    """Case SC3 on the reference engine with the random tiny model on this machine (wall seconds):
+    `chat`'s TTFT alone, then beside `bulk`'s 30 streams holding every one of 30 running slots
+    (256 output tokens each); `repeats` chat requests each way. Returns the printed lines."""
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.engine.sequence import SamplingParams
+    from worker.models import load_model
+
+    model = load_model("random-tiny", progress=False)
+    engine = Engine(model, EngineConfig(max_running=30, kv_cache_mb=256))
+    firsts: dict[str, tuple[float, int]] = {}
+
+    def params(n):
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    def chat(i: int) -> tuple[float, int]:
+        rid = f"chat-{i}"
+
+        def on_output(o):
+            if o.token_ids and rid not in firsts:
+                firsts[rid] = (o.first_token_s, o.first_token_iterations)
+
+        engine.add_request(rid, "chat", [300 + i] + list(range(1, 20)), params(16), on_output, tier="interactive")
+        while rid not in firsts:
+            engine.step()
+        return firsts[rid]
+
+    for _ in range(20):  # warm-up
+        engine.add_request(f"warm-{_}", "warm", list(range(1, 21)), params(4), lambda o: None)
+        while engine.scheduler.has_work():
+            engine.step()
+    idle = [chat(i) for i in range(repeats)]
+    while engine.scheduler.has_work():
+        engine.step()
+    for b in range(30):
+        engine.add_request(f"bulk-{b}", "bulk", [500 + b] + list(range(1, 32)), params(256), lambda o: None,
+                           tier="background")
+    while len(engine.scheduler.running) < 30:
+        engine.step()
+    busy = []
+    for i in range(repeats):
+        busy.append(chat(100 + i))
+        while any(s.tenant_id == "chat" for s in engine.scheduler.by_id.values()):
+            engine.step()
+    snap = engine.snapshot()
+    engine.shutdown()
+
+    def fmt(xs):
+        return (f"TTFT median {statistics.median(x[0] for x in xs):.3f} s (max {max(x[0] for x in xs):.3f} s), "
+                f"{max(x[1] for x in xs)} iteration(s) at most")
+
+    return [f"SC3 on the reference engine (random-tiny, this machine, {repeats} chat requests each):",
+            f"  chat alone:                          {fmt(idle)}",
+            f"  chat beside 30 bulk streams (30 slots): {fmt(busy)}; tier preemptions "
+            f"{snap['preemptions_by_reason']['tier']}"]
+
+
 def _p(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -162,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="steady states per figure (seeds 0..N-1)")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--policy", default="vtc", choices=["vtc", "vtc-pred", "drr", "fcfs"])
+    p.add_argument("--sc3", action="store_true", help="also case SC3's TTFT in seconds on the reference engine "
+                   "(random-tiny): chat alone and beside 30 background streams holding every slot")
     p.add_argument("--growth", action=argparse.BooleanOptionalAction, default=True,
                    help="also print how the time grows with tenants and with waiting requests (default on)")
     args = p.parse_args(argv)
@@ -193,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         print("growth with waiting requests (100 tenants):")
         for w in (100, 1000, 10000):
             line(100, w)
+    if args.sc3:
+        for text in sc3():
+            print(text)
     return 0
 
 
