@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
-from tests.conftest import start_worker
+from tests.conftest import start_worker, stop_worker
 
 TIER = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TIER_BATCH,
         "background": worker_pb2.TIER_BACKGROUND}
@@ -128,11 +128,7 @@ def worker(tmp_path_factory, name: str, *flags: str):
     try:
         yield addr
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except Exception:
-            proc.kill()
+        stop_worker(proc)
 
 
 def cancel_all(stub, streams: list[Stream]) -> None:

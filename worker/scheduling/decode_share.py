@@ -34,6 +34,8 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
+from worker.scheduling.policy import TIERS
+
 
 def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity: int) -> dict[str, int]:
     """Split `capacity` whole slots among tenants in proportion to `weight`, none getting more than
@@ -86,3 +88,67 @@ def split_by_tier(demand_by_tier: Mapping[str, int], tier_order: list[str], min_
             give[t] += n
             left -= n
     return give
+
+
+def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]:
+    """Which decodes run and how many prefill tokens may follow, out of `budget` tokens, for the
+    scheduling core `core` (`SchedulingCore.plan_iteration` calls it).
+
+    decoding: running entries with one token to compute, in admission order. While the
+    iteration is not *contended* (work of one tenant only) or its tokens stay within the
+    iteration token target `T`, every decode runs and prefill gets the rest of the budget.
+    Otherwise the top tier with work keeps all of its pending prefill, and the decodes and the
+    other tiers' prefill share `T` tokens (this module's docstring): strict priority
+    across tiers, each tier's decodes and then its prefill, each lower tier owed its minimum
+    share keeping `ceil(m_k·T)` tokens; within a tier, decodes by weight (the requests that
+    waited longest since their last token first). Returns the decodes
+    (admission order) and the prefill budget (None: whatever the decodes leave of `budget`);
+    the prefill round then also keeps each tier to the prefill tokens planned for it."""
+    cap = core.iteration_token_target
+    core._tier_prefill_cap = None
+    tenants = {e.tenant_id for e in decoding}
+    contended = len(tenants) > 1 or any(
+        t not in tenants for tier in TIERS for t in core._pending[tier]) if cap < budget else False
+    if not contended:
+        for e in decoding:
+            e.last_decode = core.iteration
+        return decoding, None
+    by_tier: dict[str, dict[str, list]] = {}
+    for e in decoding:
+        by_tier.setdefault(e.tenant.sched_tier, {}).setdefault(e.tenant_id, []).append(e)
+    demand = {t: sum(len(v) for v in by_tier.get(t, {}).values()) for t in TIERS}
+    prefill = {t: core.prefill_demand(t, budget) for t in TIERS}
+    # the top tier with work keeps all of its prefill (an interactive prompt is not held back);
+    # the decodes and every other tier's prefill share the target
+    top = next((t for t in TIERS if demand[t] or prefill[t]), TIERS[0])
+    work = {t: demand[t] + (prefill[t] if t != top else 0) for t in TIERS}
+    if sum(work.values()) <= cap:
+        for e in decoding:
+            e.last_decode = core.iteration
+        return decoding, None
+    # a lower tier's floor: only while it is owed its minimum share (its deficit keeps the share
+    # over time; a floor every iteration would round 5 % of a small target up to a whole token),
+    # and only for decodes it has (prefill it could not fit must not take decode slots away)
+    floors = split_by_tier({k: demand[k] for k in TIERS}, list(TIERS),
+                           {k: m for k, m in core.tiers.min_share.items() if core.tiers.owed(k)}, cap,
+                           floors_only=True)
+    tokens = split_by_tier({k: max(0, work[k] - floors[k]) for k in TIERS}, list(TIERS), {},
+                           cap - sum(floors.values()))
+    tokens = {k: tokens[k] + floors[k] for k in TIERS}
+    chosen: set[int] = set()
+    caps: dict[str, int] = {}
+    for tier in TIERS:
+        n = tokens.get(tier, 0)
+        d = min(demand[tier], n)
+        caps[tier] = prefill[tier] if tier == top else max(0, min(prefill[tier], n - d))
+        tenant_entries = by_tier.get(tier, {})
+        slots = water_fill({t: len(v) for t, v in tenant_entries.items()},
+                           {t: core.tenants[t].weight for t in tenant_entries}, d)
+        for t, entries in tenant_entries.items():
+            entries.sort(key=lambda e: (e.last_decode, e.order))
+            chosen.update(id(e) for e in entries[:slots[t]])
+    out = [e for e in decoding if id(e) in chosen]
+    for e in out:
+        e.last_decode = core.iteration
+    core._tier_prefill_cap = caps
+    return out, max(0, min(budget - len(out), sum(caps.values())))
