@@ -105,8 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_line("sim", target or "default", r, base), flush=True)
         base = base or r
     if args.real:
-        import statistics
-
         from worker.models import load_model
 
         model = load_model("random-tiny", progress=False)
