@@ -145,3 +145,37 @@ def test_admission_order_puts_higher_tiers_first_and_follows_vtc_within_a_tier()
     assert order[-2:] == [b1, b2]                     # the lower tier after every interactive request
     assert order.index(a) < order.index(a2)          # a tenant's queue in order
     assert order.index(c) < order.index(a2)          # c's projected counter (64/2) before a's second head (64)
+
+
+def test_service_per_tier_reaches_the_snapshot_and_prometheus():
+    """Engine.snapshot()["tiers"] (what GetLoad's TierLoad and the fairness report read) and the
+    Prometheus tier series, from a simulated engine with an interactive and a background tenant."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from worker.engine.engine import Engine, EngineConfig
+    from worker.metrics import WorkerMetrics
+    from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+
+    clock = VirtualClock()
+    engine = Engine(SimModel(), EngineConfig(max_running=4, num_kv_blocks=256),
+                    SimulatedRunner(clock, IterationTimeModel(0.01, 0, 0, 0), 256), clock=clock)
+    for i in range(40):
+        for tenant, tier in (("chat", "interactive"), ("bulk", "background")):
+            engine.add_request(f"{tenant}-{i}", tenant, [100 + i] + [1] * 63,
+                               SamplingParams(max_tokens=16, ignore_eos=True), lambda o: None, tier=tier)
+    for _ in range(200):
+        engine.step()
+    snap = engine.snapshot()
+    t = snap["tiers"]
+    assert t["interactive"]["service"] > t["background"]["service"] > 0
+    assert t["background"]["min_share"] == 0.05 and t["interactive"]["min_share"] == 0.0
+    assert snap["tier_scheduling"] and set(snap["preemptions_by_reason"]) == {"out-of-blocks", "reclaim", "tier",
+                                                                             "returning"}
+    samples = {}
+    for fam in text_string_to_metric_families(WorkerMetrics(engine).render().decode()):
+        for s in fam.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert samples[("fairshare_worker_tier_charged_service_units_total", (("tier", "background"),))] == \
+        t["background"]["service"]
+    assert samples[("fairshare_worker_tier_min_share", (("tier", "batch"),))] == 0.05
+    assert ("fairshare_worker_preemptions_total", (("reason", "tier"),)) in samples
