@@ -5,6 +5,7 @@
     fairshare bench cache [...]     (prefix-cache hit rates by isolation mode; worker/cache/bench.py)
     fairshare bench sidechannel [...]  (CI2 TTFT timing side channel; loadtests/sidechannel.py)
     fairshare bench recovery [...]  (`fairshare up` healing a kill -9; fairshare/recovery_bench.py)
+    fairshare bench grammar [...]   (cost of grammar-constrained decoding; worker/engine/grammar_bench.py)
     fairshare bench scheduler [...]    (the scheduling core's decision time per iteration; worker/sim/sched_bench.py)
     fairshare bench weights [...]      (what a weight means when nobody queues, and its cost; worker/sim/weights_bench.py)
 
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare bench`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|scheduler|weights} [options]")
+        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|grammar|scheduler|weights} [options]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -121,5 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         from fairshare.recovery_bench import main as recovery_bench
 
         return recovery_bench(rest)
+    if what == "grammar":
+        from worker.engine.grammar_bench import main as grammar_bench
+
+        return grammar_bench(rest)
     print(f"fairshare bench: unknown benchmark {what!r}", file=sys.stderr)
     return 2
