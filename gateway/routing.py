@@ -88,6 +88,7 @@ class WorkerClient:
     remote_inflight: int = 0
     local_at_poll: int = 0
     last_error: str = ""
+    slow_probes: int = 0  # consecutive polls of a healthy worker that timed out
     last_model: str | None = None  # the model it served before it went down (info is cleared then)
     last_names: tuple[str, ...] = ()  # every name it served that model under
     down_since: float | None = None  # time.monotonic() when it stopped being usable; None while usable
@@ -131,14 +132,22 @@ class WorkerClient:
 
 
 class WorkerPool:
-    """All configured workers, the models they serve and the routing choice among them."""
+    """All configured workers, the models they serve and the routing choice among them.
+
+    A worker's health is its answer to the poll: NOT_SERVING, draining, or a refused connection
+    takes it out of routing at once; a poll that only times out (a busy worker answering late) does
+    so after `unhealthy_after` such polls in a row, so that one late answer on a loaded machine does
+    not turn every request into a 503 (the unhealthy threshold of load balancers and Kubernetes
+    probes). A call that fails marks its worker unhealthy at once either way (`start_generation`).
+    """
 
     def __init__(self, addrs: list[str], *, health_interval_s: float = 1.0, health_timeout_s: float = 1.0,
                  local_tokenizers: dict[str, TokenizerFiles] | None = None,
-                 local_tokenizer: TokenizerFiles | None = None, metrics=None) -> None:
+                 local_tokenizer: TokenizerFiles | None = None, metrics=None, unhealthy_after: int = 3) -> None:
         self.workers = [WorkerClient(a) for a in addrs]
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
+        self.unhealthy_after = unhealthy_after
         self.models: dict[str, ModelEntry] = {}
         self._local = local_tokenizer
         self._local_tok: ChatTokenizer | None = ChatTokenizer(local_tokenizer) if local_tokenizer else None
@@ -150,6 +159,17 @@ class WorkerPool:
         self.recovery_s: dict[str, float] = {}  # model -> how long its last worker outage lasted (s)
 
     # -- polling ---------------------------------------------------------------------------------
+    def _late(self, w: WorkerClient, e: grpc.aio.AioRpcError) -> bool:
+        """Whether this failed poll is a late answer of a healthy worker, tolerated for now."""
+        if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or not w.healthy:
+            return False
+        w.slow_probes += 1
+        if w.slow_probes < self.unhealthy_after:
+            log.info("worker %s answered its health poll late (%d in a row); still routing to it", w.addr,
+                     w.slow_probes)
+            return True
+        return False
+
     async def _check(self, w: WorkerClient) -> None:
         w.connect()
         try:
@@ -157,6 +177,8 @@ class WorkerPool:
                                         timeout=self.health_timeout_s)
             serving = resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as e:
+            if self._late(w, e):
+                return
             serving = False
             w.last_error = f"health: {e.code().name} {e.details()}"
         if not serving:
@@ -177,8 +199,12 @@ class WorkerPool:
             if load.draining:
                 serving = False
         except grpc.aio.AioRpcError as e:
+            if self._late(w, e):
+                return
             w.last_error = f"{e.code().name} {e.details()}"
             serving = False
+        if serving:
+            w.slow_probes = 0
         if serving and not w.healthy:
             log.info("worker %s is serving model %s", w.addr, w.model)
         w.healthy = serving

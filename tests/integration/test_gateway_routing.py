@@ -7,8 +7,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import socket
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -21,6 +21,7 @@ from fairshare.procs import free_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import GATEWAY_TEST_SECRET
+from tests.support.waits import wait_for
 
 MODEL = "random-tiny"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -31,8 +32,8 @@ class ProxyWorker(pb_grpc.WorkerServicer):
     ``record`` (forward, remember requests), ``unavailable`` (Generate fails with UNAVAILABLE),
     ``abort`` (Generate ends with FINISH_REASON_ABORT before any token), ``other_template`` (ModelInfo
     sends a different chat template under the original digest), ``other_template_consistent`` (a
-    different template with its matching digest), ``slow_start`` (waits 5 s before forwarding, as if
-    queued; records a cancellation)."""
+    different template with its matching digest), ``slow_start`` (sends nothing until the caller
+    cancels, as if queued behind a long backlog; records the cancellation)."""
 
     def __init__(self, target: str, mode: str = "record"):
         self.mode = mode
@@ -54,12 +55,12 @@ class ProxyWorker(pb_grpc.WorkerServicer):
 
     def Generate(self, request, context):
         self.requests.append(request)
-        if self.mode == "slow_start":  # a long queue before the first token
+        if self.mode == "slow_start":  # a queue that never moves: only the caller's cancel ends it
             gone = threading.Event()
             context.add_callback(gone.set)
-            if gone.wait(5.0):
+            if gone.wait(300.0):
                 self.cancelled.append(request.request_id)
-                return
+            return
         if self.mode == "unavailable":
             context.abort(grpc.StatusCode.UNAVAILABLE, "injected failure")
         if self.mode == "abort":
@@ -206,18 +207,12 @@ def test_disagreeing_or_unhealthy_worker_is_not_used(gateway_factory, proxies):
     assert len(good.requests) == 4 and other.requests == []
     # the good one stops serving: requests get a 503 until it is back
     good.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.NOT_SERVING)
-    deadline = time.monotonic() + 5
-    while httpx.get(gw.base_url + "/readyz").status_code == 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: httpx.get(gw.base_url + "/readyz").status_code == 503, "gateway not ready once no worker serves")
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
     assert e.value.status_code == 503
     good.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
-    deadline = time.monotonic() + 5
-    while httpx.get(gw.base_url + "/readyz").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: httpx.get(gw.base_url + "/readyz").status_code == 200, "gateway ready again")
     assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).choices
 
 
@@ -240,19 +235,30 @@ def test_local_tokenizer_decides_which_workers_agree(gateway_factory, proxies, w
     assert len(good.requests) == 3 and other.requests == []
 
 
+def leave_once(base_url: str, key: str, body: dict, arrived) -> None:
+    """Send `body` to /v1/chat/completions over a raw connection and close it (as a client that gives
+    up does) as soon as `arrived()` is true: the moment the client leaves is a state, not a timer."""
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + payload)
+        wait_for(arrived, "the request reached the worker")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_leaving_before_the_first_token_cancels_and_releases(gateway_factory, proxies, stream):
     slow = proxies("slow_start")
     tid = f"early-{int(stream)}"
     gw = gateway_factory([{"id": tid, "limits": {"max_concurrent_requests": 1}}], workers=[slow.addr])
-    client = gw.client(tid, timeout=0.5)
-    t0 = time.monotonic()
-    with pytest.raises(openai.APITimeoutError):
-        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, stream=stream)
-        if stream:
-            list(r)
-    deadline = t0 + 1.5
-    while not (slow.cancelled and gw.leases(tid) == {}):
-        assert time.monotonic() < deadline, (slow.cancelled, gw.leases(tid))
-        time.sleep(0.02)
+    leave_once(gw.base_url, gw.keys[tid], {"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": stream},
+               lambda: slow.requests)
+    wait_for(lambda: slow.cancelled and gw.leases(tid) == {},
+             lambda: f"the worker call cancelled and the lease released: cancelled {slow.cancelled}, "
+                     f"leases {gw.leases(tid)}")
     assert slow.cancelled == [slow.requests[0].request_id]
+    # the slot is free again: the tenant's one concurrent request is admitted (and reaches the worker)
+    leave_once(gw.base_url, gw.keys[tid], {"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": stream},
+               lambda: len(slow.requests) == 2)
+    wait_for(lambda: len(slow.cancelled) == 2 and gw.leases(tid) == {}, "the second call cancelled and released")
