@@ -179,3 +179,37 @@ def test_service_per_tier_reaches_the_snapshot_and_prometheus():
         t["background"]["service"]
     assert samples[("fairshare_worker_tier_min_share", (("tier", "batch"),))] == 0.05
     assert ("fairshare_worker_preemptions_total", (("reason", "tier"),)) in samples
+
+
+def test_drr_admission_order_grants_quanta_as_the_picks_do():
+    """Issue 17: SGLang's plugin ranked tenants by DRRPolicy.order(), which never grants a quantum,
+    so one tenant's whole queue went first (heads A0 A1 A2 ..., B never first). The core's
+    admission order under DRR follows the rounds: the same sequence as pick() followed by a charge
+    of each head's prefill, weights respected, and the policy's state untouched."""
+    from worker.scheduling.drr import DRRPolicy
+
+    cost = LinearCost()
+    sched = Scheduler(make_policy("drr"), cost, BlockManager(1000, 16), 256, 8)
+    reqs = [seq("w1", 192, 32) for _ in range(12)] + [seq("w3", 192, 32, weight=3.0) for _ in range(12)]
+    for s in reqs:
+        sched.add(s)
+    policy = sched.core.policy
+    before = (dict(policy.deficit), policy._ptr, policy._fresh)
+    order = [s.tenant_id for s in sched.core.admission_order()]
+    assert (dict(policy.deficit), policy._ptr, policy._fresh) == before  # a projection, no side effect
+    assert sorted(order) == sorted(s.tenant_id for s in reqs)
+
+    ref = DRRPolicy(cost, quantum=policy.quantum)   # the definition: pick, then charge the head's prefill
+    queued = {"w1": 12, "w3": 12}
+    for t, w in (("w1", 1.0), ("w3", 3.0)):
+        ref.account(t, w, "interactive")
+        ref.on_arrival(t, w, "interactive")
+    picks = []
+    while any(queued.values()):
+        t = ref.pick([t for t, n in queued.items() if n], {})
+        picks.append(t)
+        ref.charge(t, cost.prefill(192))
+        queued[t] -= 1
+    assert order == picks
+    assert "w3" in order[:6] and order[:12].count("w3") >= 2 * order[:12].count("w1")   # 3 : 1 while both queue
+    assert order[:12] != ["w1"] * 12                                                    # not tenant by tenant
