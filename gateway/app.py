@@ -70,11 +70,11 @@ from .structured import grammar_for
 from .tokenization import TemplateError, load_tokenizer_dir
 from .tools import ToolCallParser, ToolCallStream, get_parser
 from .tracing import end_request_span, gateway_tracer, set_error
+from .watch import RequestWatch
 
 log = logging.getLogger("fairshare.gateway")
 
 _TIERS = {Tier.INTERACTIVE: pb.TIER_INTERACTIVE, Tier.BATCH: pb.TIER_BATCH, Tier.BACKGROUND: pb.TIER_BACKGROUND}
-_BACKGROUND: set[asyncio.Task] = set()  # strong references to detached settlement tasks
 
 
 @dataclass
@@ -186,10 +186,10 @@ class Session:
         self.finished = False
         self.client_gone = False
         self.stop_reason: str | None = None  # set by stop(): the server ends the request (drain deadline)
-        self.stopped = asyncio.Event()
         timeout = gw.settings.request_timeout_s
         self.deadline: float | None = None if timeout is None else time.monotonic() + timeout
-        self._settle_task: asyncio.Task | None = None
+        self._watch: RequestWatch | None = None  # the request's one task: disconnect watch, then settlement
+        self._starting: asyncio.Task | None = None  # the handler, while it waits for the first tokens
         self.first_token_at: float | None = None
         self.trace_ctx = otel_context.get_current()  # the request span's context: parent of worker calls
         self.stream_span: trace.Span = trace.INVALID_SPAN  # first token -> settlement
@@ -247,15 +247,45 @@ class Session:
         p, c, k = self.usage()
         return schemas.usage_dict(p, c, k)
 
+    def watch(self, request: Request) -> None:
+        """Start the request's one task: it watches the client's connection until the request ends,
+        then settles it (gateway/watch.py). Call once, after admission."""
+        self._watch = RequestWatch(request.receive, self.on_client_gone, self._do_settle)
+
+    async def until_started(self, coro) -> None:
+        """Await `coro` (the wait for the first tokens, in the caller's task); a disconnect or `stop()`
+        meanwhile interrupts it (cancelling the gRPC calls it has open): APIError 499 or 503."""
+        task = asyncio.current_task()
+        self._starting = task
+        try:
+            await coro
+        except asyncio.CancelledError:
+            if not (self.client_gone or self.stop_reason is not None):
+                raise  # cancelled from elsewhere
+            if hasattr(task, "uncancel"):  # Python >= 3.11 counts cancellations
+                task.uncancel()
+            if self.client_gone:
+                raise APIError(499, "Client closed the request.", "invalid_request_error", None,
+                               "client_closed_request") from None
+            raise unavailable(self.stop_reason or "The request was stopped.", retry_after_s=1) from None
+        finally:
+            self._starting = None
+
+    def _interrupt(self) -> None:
+        """Cancel every gRPC stream (the workers abort) and a wait for the first tokens."""
+        for j in self.jobs:
+            if j.gen is not None:
+                j.gen.cancel()
+        if self._starting is not None:
+            self._starting.cancel()
+
     def on_client_gone(self) -> None:
         """The client disconnected: cancel every gRPC stream (the workers abort)."""
         if self.finished or self.client_gone:
             return
         self.client_gone = True
         self.gw.metrics.disconnects.labels(self.tenant.id).inc()
-        for j in self.jobs:
-            if j.gen is not None:
-                j.gen.cancel()
+        self._interrupt()
 
     def stop(self, reason: str) -> None:
         """End the request from the server side (the gateway is shutting down): cancel its gRPC streams;
@@ -263,19 +293,14 @@ class Session:
         if self.finished or self.client_gone or self.stop_reason is not None:
             return
         self.stop_reason = reason
-        self.stopped.set()
-        for j in self.jobs:
-            if j.gen is not None:
-                j.gen.cancel()
+        self._interrupt()
 
     async def settle(self) -> None:
         """Cancel what still runs, refund unused TPM and release the lease; idempotent, and completes
         even when the caller is cancelled."""
-        if self._settle_task is None:
-            self._settle_task = asyncio.ensure_future(self._do_settle())
-            _BACKGROUND.add(self._settle_task)
-            self._settle_task.add_done_callback(_BACKGROUND.discard)
-        await asyncio.shield(self._settle_task)
+        if self._watch is None:  # never watched (settled right after admission): settle in a task all the same
+            self._watch = RequestWatch(None, self.on_client_gone, self._do_settle)
+        await self._watch.close()
 
     async def _do_settle(self) -> None:
         for j in self.jobs:
@@ -580,7 +605,8 @@ async def _serve(gw: Gateway, request: Request, kind: str):
     m = gw.metrics
     span = gw.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes={
         "http.request.method": request.method, "http.route": request.url.path, "fairshare.endpoint": endpoint})
-    token = otel_context.attach(trace.set_span_in_context(span))
+    # the request span parents the others; an untraced one (tracing off) is not worth attaching
+    token = otel_context.attach(trace.set_span_in_context(span)) if span.get_span_context().is_valid else None
     ended = False
     try:
         try:
@@ -628,7 +654,8 @@ async def _serve(gw: Gateway, request: Request, kind: str):
             end_request_span(span, 500, "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
         raise
     finally:
-        otel_context.detach(token)
+        if token is not None:
+            otel_context.detach(token)
 
 
 async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: Principal, t0: float):
@@ -758,6 +785,7 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
                       plan)
     lease.remaining_s = lambda: gw.rates.remaining_s(model, jobs)  # refreshed in Redis at each renewal
     gw.live.add(session)
+    session.watch(request)
 
     try:  # until the first token (which may wait in the worker's queue), still watching the client
         with gw.tracer.start_as_current_span("gateway.routing", record_exception=False,
@@ -765,7 +793,7 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
                                              attributes={"fairshare.model": model,
                                                          "fairshare.choices": len(jobs)}) as route_span:
             try:
-                await _unless_client_leaves(session, request, _start_all(gw, session, req))
+                await session.until_started(_start_all(gw, session, req))
             except APIError as e:
                 set_error(route_span, e.code)
                 if e.code == "invalid_grammar":  # the worker could not compile it: name the field
@@ -783,7 +811,7 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
         stream = _chat_stream(session, req) if kind == "chat" else _text_stream(session, req)
         return session, stream
     try:
-        body = await _collect(session, request, kind)
+        body = await _collect(session, kind)
     finally:
         await session.settle()
     return session, body
@@ -947,55 +975,22 @@ def _check_finished(session: Session) -> None:
             raise unavailable("The worker aborted the request.")
 
 
-async def _wait_disconnect(request: Request) -> None:
-    """Return when the client has disconnected (the request body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_client_leaves(session: Session, request: Request, coro):
-    """Await `coro`; when the client disconnects first, cancel it and the gRPC streams and raise 499;
-    when the server stops the request first (drain deadline), cancel it and raise 503."""
-    work = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    stopper = asyncio.ensure_future(session.stopped.wait())
+async def _collect(session: Session, kind: str) -> dict[str, Any]:
+    """Run a non-streamed request to the end (a disconnect or `Session.stop` cancels its gRPC calls:
+    APIError 499 / 503)."""
     try:
-        done, _ = await asyncio.wait({work, watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done:
-            if watcher in done:
-                session.on_client_gone()
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            if watcher in done:
-                raise APIError(499, "Client closed the request.", "invalid_request_error", None,
-                               "client_closed_request")
-            raise unavailable(session.stop_reason or "The request was stopped.", retry_after_s=1)
-        return work.result()
-    finally:
-        watcher.cancel()
-        stopper.cancel()
-        if not work.done():
-            work.cancel()
-
-
-async def _collect(session: Session, request: Request, kind: str) -> dict[str, Any]:
-    """Run a non-streamed request to the end; cancel it when the client goes away."""
-
-    async def consume() -> None:
-        try:
-            async with aclosing(_merged(session)) as messages:
-                async for job, msg in messages:
-                    session.record(job, msg)
-        except grpc.aio.AioRpcError as e:
-            raise _stream_failure(session, e) from None
-        except asyncio.CancelledError:  # our own cancellation, or a call cancelled by stop()
-            if session.stop_reason is not None:
-                raise _stream_failure(session, asyncio.CancelledError()) from None
-            raise
-
-    await _unless_client_leaves(session, request, consume())
+        async with aclosing(_merged(session)) as messages:
+            async for job, msg in messages:
+                session.record(job, msg)
+    except grpc.aio.AioRpcError as e:
+        raise _stream_failure(session, e) from None
+    except asyncio.CancelledError:  # our own cancellation, or a call cancelled by a disconnect or stop()
+        if session.client_gone:
+            raise APIError(499, "Client closed the request.", "invalid_request_error", None,
+                           "client_closed_request") from None
+        if session.stop_reason is not None:
+            raise _stream_failure(session, asyncio.CancelledError()) from None
+        raise
     _check_finished(session)
     session.finished = True
     created = int(time.time())

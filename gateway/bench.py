@@ -353,7 +353,7 @@ def _run(args, modes: list[str], gw_cpus: set[int] | None) -> dict[str, dict] | 
                 results[mode] = asyncio.run(_bench_mode(args, mode == "stream", f"http://127.0.0.1:{gport}", key,
                                                         echo.addr, gw.pid))
         except Exception as e:
-            print(f"fairshare bench gateway: {e}", file=sys.stderr)
+            print(f"fairshare bench gateway: {type(e).__name__}: {e}", file=sys.stderr)
             log = (tmp_path / "gateway.log").read_text(errors="replace")[-2000:]
             if log:
                 print(log, file=sys.stderr)

@@ -1,7 +1,10 @@
 """The worker's gRPC server (grpc.aio): `fairshare.v1.Worker` plus `grpc.health.v1`.
 
 Each `Generate` call registers its request with the engine and relays the engine's outputs
-(delivered on the engine thread) through an asyncio queue. When the client cancels the stream
+(delivered on the engine thread) through an asyncio queue. Outputs are coalesced: whatever the
+engine produced for the request since the stream last sent (one iteration's tokens, or several
+when the engine ran ahead of the connection) goes out as one message, with one logprob entry per
+token, never one message per token when tokens are ready together. When the client cancels the stream
 (gateway disconnect, deadline), the handler is cancelled and the request is aborted, which frees
 its KV blocks. SIGTERM drains: health goes NOT_SERVING (and ``GetLoad.draining``), new requests get
 UNAVAILABLE (the gateway retries them on another worker), in-flight ones may finish until the drain
@@ -85,21 +88,26 @@ def sampling_from_proto(p: worker_pb2.SamplingParams, grammar=None) -> SamplingP
     )
 
 
-def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
-    msg = worker_pb2.GenerateResponse(token_ids=out.token_ids, text_delta=out.text_delta)
-    if out.queued_s is not None:
-        msg.timings.queued_s = out.queued_s
-    if out.first_token_s is not None:
-        msg.timings.first_token_s = out.first_token_s
-    for tok, lp, top in out.logprobs:
-        entry = msg.logprobs.add(token_id=tok, logprob=lp)
-        for alt, alt_lp in top:
-            entry.top.add(token_id=alt, logprob=alt_lp)
-    if out.finish_reason is not None:
-        msg.finish_reason = _FINISH[out.finish_reason]
-        msg.usage.prompt_tokens = out.prompt_tokens
-        msg.usage.completion_tokens = out.completion_tokens
-        msg.usage.cached_prompt_tokens = out.cached_tokens
+def _to_proto(outs: list[RequestOutput]) -> worker_pb2.GenerateResponse:
+    """One message for the engine outputs of one request that are ready together (in order): their
+    tokens, text and logprobs concatenated, the first timings, the last one's finish and usage."""
+    msg = worker_pb2.GenerateResponse()
+    for out in outs:
+        msg.token_ids.extend(out.token_ids)
+        for tok, lp, top in out.logprobs:
+            entry = msg.logprobs.add(token_id=tok, logprob=lp)
+            for alt, alt_lp in top:
+                entry.top.add(token_id=alt, logprob=alt_lp)
+        if out.queued_s is not None and not msg.timings.queued_s:
+            msg.timings.queued_s = out.queued_s
+        if out.first_token_s is not None and not msg.timings.first_token_s:
+            msg.timings.first_token_s = out.first_token_s
+        if out.finish_reason is not None:
+            msg.finish_reason = _FINISH[out.finish_reason]
+            msg.usage.prompt_tokens = out.prompt_tokens
+            msg.usage.completion_tokens = out.completion_tokens
+            msg.usage.cached_prompt_tokens = out.cached_tokens
+    msg.text_delta = "".join(out.text_delta for out in outs)
     return msg
 
 
@@ -175,24 +183,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         last_token_at: float | None = None
         final: RequestOutput | None = None
         try:
-            while True:
-                out, at, at_ns = await queue.get()
-                rt.observe(out)
-                if out.token_ids:
-                    if last_token_at is None:
-                        self.metrics.observe_first_token(tenant.id, out.queued_s, out.first_token_s or 0.0)
-                    else:
-                        self.metrics.observe_itl(tenant.id, at - last_token_at, len(out.token_ids))
-                    last_token_at = at
-                if out.error:
-                    finished = True
-                    outcome, end_ns, final = "error", at_ns, out
-                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
-                yield _to_proto(out)
-                if out.finish_reason is not None:
-                    finished = True
-                    outcome, end_ns, final = _FINISH_NAMES[out.finish_reason], at_ns, out
-                    return
+            while not finished:
+                # coalesce: every output already queued (the engine ran ahead of this stream) goes in one message
+                ready = [await queue.get()]
+                while not queue.empty():
+                    ready.append(queue.get_nowait())
+                outs: list[RequestOutput] = []
+                for out, at, at_ns in ready:
+                    rt.observe(out)
+                    if out.token_ids:
+                        if last_token_at is None:
+                            self.metrics.observe_first_token(tenant.id, out.queued_s, out.first_token_s or 0.0)
+                        else:
+                            self.metrics.observe_itl(tenant.id, at - last_token_at, len(out.token_ids))
+                        last_token_at = at
+                    if out.error:
+                        finished = True
+                        outcome, end_ns, final = "error", at_ns, out
+                        await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                    outs.append(out)
+                    if out.finish_reason is not None:
+                        finished = True
+                        outcome, end_ns, final = _FINISH_NAMES[out.finish_reason], at_ns, out
+                        break
+                yield _to_proto(outs)
         finally:
             self.live.discard(request_id)
             if not finished:  # cancelled by the client (or the server shutting down)
