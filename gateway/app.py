@@ -516,7 +516,11 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
             if owned_provider is not None:
                 owned_provider.shutdown()  # flushes batched spans
 
-    app = FastAPI(title="FairShare gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own OpenTelemetry instrumentation stays off: the gateway traces requests itself
+    # (gateway.request is the SERVER span) and counts them in Prometheus; left on, it would check the
+    # global providers on every request and, with one installed, add a second server span
+    app = FastAPI(title="FairShare gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
     install_handlers(app)
     metrics_token = settings.metrics_token_value()
     openapi_doc = openapi_document()
@@ -1039,7 +1043,7 @@ def _chat_stream(session: Session, req: schemas.ChatCompletionRequest) -> AsyncI
         return event(schemas.chat_chunk(session.rid, created, session.model, fp, index, delta, finish, None,
                                         with_usage, logprobs))
 
-    async def body(job: Job, msg) -> list[bytes]:
+    def body(job: Job, msg) -> list[bytes]:
         out = []
         text = session.record(job, msg)
         calls: list[dict[str, Any]] = []
@@ -1077,7 +1081,7 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
         return event(schemas.text_chunk(session.rid, created, session.model, fp, index, text, finish, None,
                                         with_usage, logprobs))
 
-    async def body(job: Job, msg) -> list[bytes]:
+    def body(job: Job, msg) -> list[bytes]:
         out = []
         text = session.record(job, msg)
         logprobs = None
@@ -1098,15 +1102,17 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
 
 
 async def _stream(session: Session, opening: list[bytes], body, usage_event) -> AsyncIterator[bytes]:
-    """The SSE body: opening chunks, content chunks, (usage chunk), ``[DONE]``; settles in every case."""
+    """The SSE body: opening chunks, content chunks, (usage chunk), ``[DONE]``; settles in every case.
+    `body(job, msg)` gives the chunks of one worker message (all its tokens), written at once."""
     try:
-        for b in opening:
-            yield b
+        if opening:
+            yield b"".join(opening)
         try:
             async with aclosing(_merged(session)) as messages:
                 async for job, msg in messages:
-                    for b in await body(job, msg):
-                        yield b
+                    chunks = body(job, msg)
+                    if chunks:
+                        yield b"".join(chunks)
             _check_finished(session)
         except APIError as e:
             if not session.client_gone:
@@ -1123,9 +1129,7 @@ async def _stream(session: Session, opening: list[bytes], body, usage_event) -> 
         session.finished = True
         await session.settle()  # before [DONE]: a client that saw [DONE] sees its lease released
         u = usage_event()
-        if u is not None:
-            yield u
-        yield DONE
+        yield DONE if u is None else u + DONE
     finally:
         await session.settle()
         session.gw.metrics.latency.labels(session.tenant.id, session.endpoint).observe(
