@@ -53,12 +53,18 @@ def run_to_idle(engine: Engine) -> int:
     return steps
 
 
-async def test_outputs_ready_together_are_one_message_with_per_token_logprobs(model):
+async def open_stream(model, rid: str, max_tokens: int):
+    """(engine, stream, its first message pending) once the request waits in the (unstarted) engine."""
     engine = Engine(model, EngineConfig(num_kv_blocks=64, max_running=4))
     servicer = WorkerServicer(engine, "random-tiny")
-    stream = servicer.Generate(request("r1", 8), Context())
+    stream = servicer.Generate(request(rid, max_tokens), Context())
     first = asyncio.ensure_future(stream.__anext__())
-    await wait_for_async(lambda: "r1" in servicer.live, "the request registered with the engine")
+    await wait_for_async(lambda: rid in servicer.live, "the request registered with the engine")
+    return engine, stream, first
+
+
+async def test_outputs_ready_together_are_one_message_with_per_token_logprobs(model):
+    engine, stream, first = await open_stream(model, "r1", 8)
     steps = run_to_idle(engine)  # every output of the request is queued before the stream reads one
     assert steps >= 8  # prefill, then one decode step per further token: 8 outputs in all
     msg = await first
@@ -72,11 +78,7 @@ async def test_outputs_ready_together_are_one_message_with_per_token_logprobs(mo
 
 
 async def test_a_stream_that_keeps_up_gets_one_message_per_iteration(model):
-    engine = Engine(model, EngineConfig(num_kv_blocks=64, max_running=4))
-    servicer = WorkerServicer(engine, "random-tiny")
-    stream = servicer.Generate(request("r2", 4), Context())
-    pending = asyncio.ensure_future(stream.__anext__())
-    await wait_for_async(lambda: "r2" in servicer.live, "the request registered with the engine")
+    engine, stream, pending = await open_stream(model, "r2", 4)
     messages = []
     while True:
         assert engine.step(), "the engine went idle before the request finished"
