@@ -1,6 +1,7 @@
-"""Count the asyncio tasks the gateway creates per request (a figure that does not depend on how busy
-the machine is, unlike CPU time): the gateway app in this process (uvicorn on a thread), the echo
-worker of `fairshare bench gateway`, a redis-server on a free port.
+"""Count the asyncio tasks the gateway creates per request and the Python function calls its event
+loop thread makes per request (cProfile's call counts): figures that do not depend on how busy the
+machine is, unlike CPU time. The gateway app runs in this process (uvicorn on a thread), with the echo
+worker of `fairshare bench gateway` and a redis-server on a free port.
 
     .venv/bin/python scripts/gateway_tasks.py [--requests 200] [--max-tokens 16] [--tokens-per-message 0]
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import cProfile
 import json
 import tempfile
 from pathlib import Path
@@ -28,6 +30,12 @@ from gateway.serve import ServerThread
 
 COUNTS: collections.Counter = collections.Counter()
 COUNTING = [False]
+PROFILE = cProfile.Profile()
+
+
+def python_calls() -> int:
+    """Function calls the gateway's loop thread has made so far (the profiler runs on that thread)."""
+    return sum(e.callcount for e in PROFILE.getstats())
 
 
 def counting_factory(loop, coro, **kwargs):
@@ -43,6 +51,7 @@ def with_factory(app):
     async def wrapped(scope, receive, send):
         if not state["set"]:
             asyncio.get_running_loop().set_task_factory(counting_factory)
+            PROFILE.enable()  # profiles this (the server's) thread from now on
             state["set"] = True
         await app(scope, receive, send)
 
@@ -54,6 +63,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--tokens-per-message", type=int, default=0)
+    p.add_argument("--top", type=int, default=0, help="also list the N callers with the most calls per request")
     args = p.parse_args()
     echo = EchoServer(args.tokens_per_message).start()
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,14 +105,26 @@ def run(base: str, key: str, args) -> None:
             for _ in range(5):  # warm-up (connections, first-use caches)
                 c.post("/v1/chat/completions", json=body).raise_for_status()
             COUNTS.clear()
+            before = {e.code: e.callcount for e in PROFILE.getstats()}
+            calls0 = python_calls()
             COUNTING[0] = True
             for _ in range(args.requests):
                 c.post("/v1/chat/completions", json=body).raise_for_status()
             COUNTING[0] = False
+            calls = python_calls() - calls0
             total = sum(COUNTS.values())
-            print(f"  {'streamed' if stream else 'non-streamed'}: {total / args.requests:.2f} tasks per request")
+            print(f"  {'streamed' if stream else 'non-streamed'}: {total / args.requests:.2f} tasks and "
+                  f"{calls / args.requests:.0f} Python function calls (loop thread) per request")
             for name, n in COUNTS.most_common():
                 print(f"    {n / args.requests:6.2f}  {name}")
+            if args.top:
+                grown = collections.Counter()
+                for e in PROFILE.getstats():
+                    name = e.code if isinstance(e.code, str) else f"{e.code.co_qualname} ({Path(e.code.co_filename).name})"
+                    grown[name] += e.callcount - before.get(e.code, 0)
+                print(f"    functions with the most calls per request:")
+                for name, n in grown.most_common(args.top):
+                    print(f"    {n / args.requests:8.1f}  {name}")
 
 
 if __name__ == "__main__":
