@@ -122,7 +122,7 @@ def run(base: str, key: str, args) -> None:
                 for e in PROFILE.getstats():
                     name = e.code if isinstance(e.code, str) else f"{e.code.co_qualname} ({Path(e.code.co_filename).name})"
                     grown[name] += e.callcount - before.get(e.code, 0)
-                print(f"    functions with the most calls per request:")
+                print("    functions with the most calls per request:")
                 for name, n in grown.most_common(args.top):
                     print(f"    {n / args.requests:8.1f}  {name}")
 
