@@ -2,9 +2,11 @@
 
 Each `Generate` call registers its request with the engine and relays the engine's outputs
 (delivered on the engine thread) through an asyncio queue. Outputs are coalesced: whatever the
-engine produced for the request since the stream last sent (one iteration's tokens, or several
-when the engine ran ahead of the connection) goes out as one message, with one logprob entry per
-token, never one message per token when tokens are ready together. When the client cancels the stream
+engine produced for the request since the stream last sent (one iteration's tokens, or those of
+consecutive iterations when the engine ran ahead of the connection) goes out as one message, with
+one logprob entry per token, never one message per token when tokens are ready together; a pause
+between iterations (a preemption) starts a new message, so `Timings.iteration` (the message's
+latest iteration) and the token count place every token. When the client cancels the stream
 (gateway disconnect, deadline), the handler is cancelled and the request is aborted, which frees
 its KV blocks. SIGTERM drains: health goes NOT_SERVING (and ``GetLoad.draining``), new requests get
 UNAVAILABLE (the gateway retries them on another worker), in-flight ones may finish until the drain
@@ -90,18 +92,22 @@ def sampling_from_proto(p: worker_pb2.SamplingParams, grammar=None) -> SamplingP
 
 def _to_proto(outs: list[RequestOutput]) -> worker_pb2.GenerateResponse:
     """One message for the engine outputs of one request that are ready together (in order): their
-    tokens, text and logprobs concatenated, the first timings, the last one's finish and usage."""
+    tokens, text and logprobs concatenated, each timing from the first output that has it, the
+    iteration of the last one (the latest step the message carries), the last one's finish and usage."""
     msg = worker_pb2.GenerateResponse()
+    first = {}  # timing field -> value, from the first output that has it
     for out in outs:
         msg.token_ids.extend(out.token_ids)
         for tok, lp, top in out.logprobs:
             entry = msg.logprobs.add(token_id=tok, logprob=lp)
             for alt, alt_lp in top:
                 entry.top.add(token_id=alt, logprob=alt_lp)
-        if out.queued_s is not None and not msg.timings.queued_s:
-            msg.timings.queued_s = out.queued_s
-        if out.first_token_s is not None and not msg.timings.first_token_s:
-            msg.timings.first_token_s = out.first_token_s
+        for name in ("queued_s", "first_token_s", "queued_iterations", "first_token_iterations"):
+            value = getattr(out, name)
+            if value is not None and name not in first:
+                first[name] = value
+                setattr(msg.timings, name, value)
+        msg.timings.iteration = out.iteration
         if out.finish_reason is not None:
             msg.finish_reason = _FINISH[out.finish_reason]
             msg.usage.prompt_tokens = out.prompt_tokens
@@ -182,12 +188,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         end_ns = None
         last_token_at: float | None = None
         final: RequestOutput | None = None
+        after_pause = None  # an output taken from the queue that starts the next message
         try:
             while not finished:
-                # coalesce: every output already queued (the engine ran ahead of this stream) goes in one message
-                ready = [await queue.get()]
+                # coalesce: the outputs already queued (the engine ran ahead of this stream) go in one
+                # message, up to a pause (a preemption, a wait): a client still sees the pause
+                ready = [after_pause if after_pause is not None else await queue.get()]
+                after_pause = None
                 while not queue.empty():
-                    ready.append(queue.get_nowait())
+                    item = queue.get_nowait()
+                    if item[0].iteration > ready[-1][0].iteration + 1:
+                        after_pause = item
+                        break
+                    ready.append(item)
                 outs: list[RequestOutput] = []
                 for out, at, at_ns in ready:
                     rt.observe(out)
@@ -228,7 +241,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_blocks_total=snap["kv_blocks_total"], kv_block_size=snap["kv_block_size"], policy=snap["policy"],
             iterations=snap["iterations"], draining=self.draining, inflight_tokens=snap["inflight_tokens"],
             kv_quota_enabled=snap["kv_quota"], reclaim_preemptions=snap["reclaim_preemptions"],
+            tier_scheduling=snap.get("tier_scheduling", False),
+            tier_preemptions=snap.get("preemptions_by_reason", {}).get("tier", 0),
+            returning_preemptions=snap.get("returning_preemptions", 0),
+            iteration_token_target=snap.get("iteration_token_target", 0),
         )
+        for tier, t in snap.get("tiers", {}).items():
+            load.tiers.add(tier=TIER_ENUMS.get(tier, 0), charged_service=t["service"], service_share=t["service_share"],
+                           min_share=t["min_share"], deficit=t["deficit"], backlogged=t["backlogged"],
+                           blocked_iterations=t["blocked_iterations"], waiting=t["waiting"], running=t["running"],
+                           preemptions=t["preemptions"])
         for t in snap["tenants"]:
             load.tenants.add(
                 tenant_id=t["tenant_id"], weight=t["weight"], tier=TIER_ENUMS.get(t["tier"], 0),
@@ -238,7 +260,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 preemptions=t["preemptions"], quota_waits=t.get("quota_waits", 0),
                 # KV quotas: 0 / false when the worker runs without them (Load.kv_quota_enabled)
                 kv_soft_quota_blocks=t.get("kv_soft_quota_blocks", 0), kv_hard_cap_blocks=t.get("kv_hard_cap_blocks", 0),
-                kv_over_quota=t.get("kv_over_quota", False),
+                kv_over_quota=t.get("kv_over_quota", False), backlogged=t.get("backlogged", False),
             )
         _fill_cache_load(load, snap)
         return load
