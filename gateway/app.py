@@ -1059,7 +1059,7 @@ def _chat_stream(session: Session, req: schemas.ChatCompletionRequest) -> AsyncI
         for call in calls:
             out.append(chunk(job.index, {"tool_calls": [{"index": job.calls_sent, **call}]}))
             job.calls_sent += 1
-        if job.finish_reason is not None:
+        if job.finish_reason not in (None, "abort"):  # an abort is answered with an error event (_stream)
             out.append(chunk(job.index, {}, _finish_reason(job, job.calls_sent > 0)))
         return out
 
@@ -1092,7 +1092,7 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
                 logprobs = None
         if text or logprobs:
             out.append(chunk(job.index, text, logprobs=logprobs))
-        if job.finish_reason is not None:
+        if job.finish_reason not in (None, "abort"):  # an abort is answered with an error event (_stream)
             out.append(chunk(job.index, "", job.finish_reason))
         return out
 
