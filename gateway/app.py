@@ -847,7 +847,7 @@ def _generate_request(session: Session, job: Job, req) -> pb.GenerateRequest:
     rid = session.rid if len(session.jobs) == 1 else f"{session.rid}.{job.index}"
     return pb.GenerateRequest(
         request_id=rid,
-        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=_TIERS[t.tier], cache_namespace=session.principal.cache_namespace),
+        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=_TIERS[t.tier]),
         prompt_token_ids=job.prompt_ids, sampling=sp, cache_salt=req.cache_salt or "")
 
 
