@@ -51,6 +51,7 @@ from redis.exceptions import RedisError
 from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig, Tier
 from fairshare.telemetry import make_tracer_provider
+from fairshare.wire import TIER_ENUMS
 from fairshare.v1 import worker_pb2 as pb
 
 from . import schemas
@@ -73,7 +74,6 @@ from .tracing import end_request_span, gateway_tracer, set_error
 
 log = logging.getLogger("fairshare.gateway")
 
-_TIERS = {Tier.INTERACTIVE: pb.TIER_INTERACTIVE, Tier.BATCH: pb.TIER_BATCH, Tier.BACKGROUND: pb.TIER_BACKGROUND}
 _BACKGROUND: set[asyncio.Task] = set()  # strong references to detached settlement tasks
 
 
@@ -847,7 +847,7 @@ def _generate_request(session: Session, job: Job, req) -> pb.GenerateRequest:
     rid = session.rid if len(session.jobs) == 1 else f"{session.rid}.{job.index}"
     return pb.GenerateRequest(
         request_id=rid,
-        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=_TIERS[t.tier]),
+        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=TIER_ENUMS[t.tier]),
         prompt_token_ids=job.prompt_ids, sampling=sp, cache_salt=req.cache_salt or "")
 
 
