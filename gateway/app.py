@@ -51,6 +51,7 @@ from redis.exceptions import RedisError
 from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig, Tier
 from fairshare.telemetry import make_tracer_provider
+from fairshare.wire import TIER_ENUMS
 from fairshare.v1 import worker_pb2 as pb
 
 from . import schemas
@@ -74,7 +75,6 @@ from .watch import RequestWatch
 
 log = logging.getLogger("fairshare.gateway")
 
-_TIERS = {Tier.INTERACTIVE: pb.TIER_INTERACTIVE, Tier.BATCH: pb.TIER_BATCH, Tier.BACKGROUND: pb.TIER_BACKGROUND}
 
 
 @dataclass
@@ -879,7 +879,7 @@ def _generate_request(session: Session, job: Job, req) -> pb.GenerateRequest:
     rid = session.rid if len(session.jobs) == 1 else f"{session.rid}.{job.index}"
     return pb.GenerateRequest(
         request_id=rid,
-        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=_TIERS[t.tier], cache_namespace=session.principal.cache_namespace),
+        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=TIER_ENUMS[t.tier]),
         prompt_token_ids=job.prompt_ids, sampling=sp, cache_salt=req.cache_salt or "")
 
 
@@ -1058,7 +1058,7 @@ def _chat_stream(session: Session, req: schemas.ChatCompletionRequest) -> AsyncI
         for call in calls:
             out.append(chunk(job.index, {"tool_calls": [{"index": job.calls_sent, **call}]}))
             job.calls_sent += 1
-        if job.finish_reason is not None:
+        if job.finish_reason not in (None, "abort"):  # an abort is answered with an error event (_stream)
             out.append(chunk(job.index, {}, _finish_reason(job, job.calls_sent > 0)))
         return out
 
@@ -1091,7 +1091,7 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
                 logprobs = None
         if text or logprobs:
             out.append(chunk(job.index, text, logprobs=logprobs))
-        if job.finish_reason is not None:
+        if job.finish_reason not in (None, "abort"):  # an abort is answered with an error event (_stream)
             out.append(chunk(job.index, "", job.finish_reason))
         return out
 

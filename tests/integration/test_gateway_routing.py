@@ -5,7 +5,6 @@ fail on purpose); generation itself always comes from the real worker."""
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import socket
 import threading
@@ -118,18 +117,17 @@ def test_generate_request_carries_gateway_derived_identity(gateway_factory, prox
     client.completions.create(model=MODEL, prompt="Once upon", temperature=0.7, top_p=0.9, seed=5, stop=["x"])
     gw.client("route-b").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
     a1, a2, b = rec.requests
-    ns_a = hmac.new(GATEWAY_TEST_SECRET.encode(), b"cache-ns:route-a", hashlib.sha256).hexdigest()
     assert a1.tenant.id == "route-a" and a1.tenant.weight == 2.5 and a1.tenant.tier == pb.TIER_BATCH
-    assert a1.tenant.cache_namespace == ns_a and a1.cache_salt == "my-salt"
+    assert a1.tenant.cache_namespace == "" and a1.cache_salt == "my-salt"
     assert a1.sampling.max_tokens == 3 and a1.sampling.temperature == 0
     assert len(a1.prompt_token_ids) == r.usage.prompt_tokens
     # max_tokens absent: the gateway sends an explicit number (OpenAI's default for completions)
     assert a2.sampling.max_tokens == 16
     assert a2.sampling.seed == 5 and list(a2.sampling.stop) == ["x"]
     assert a2.sampling.top_p == pytest.approx(0.9) and a2.sampling.temperature == pytest.approx(0.7)
-    assert a2.tenant.cache_namespace == ns_a and a2.cache_salt == ""
+    assert a2.tenant.cache_namespace == "" and a2.cache_salt == ""
     assert b.tenant.id == "route-b" and b.tenant.tier == pb.TIER_BACKGROUND and b.tenant.weight == 0.5
-    assert b.tenant.cache_namespace != ns_a
+    assert b.tenant.cache_namespace == ""  # workers derive namespaces themselves (worker/cache/namespace.py)
     assert len({a1.request_id, a2.request_id, b.request_id}) == 3
 
 

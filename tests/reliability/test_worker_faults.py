@@ -32,14 +32,6 @@ TPM = 20000
 LONG = {"model": MODEL, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True}
 
 
-def worker_of(gw: InProcessGateway, rid: str) -> str | None:
-    """Address of the worker running request `rid` (its first choice), from the gateway's sessions."""
-    for s in list(gw.gw.live):
-        if s.rid == rid and s.jobs[0].gen is not None:
-            return s.jobs[0].gen.worker.addr
-    return None
-
-
 def finished(addr: str, tenant: str) -> int:
     t = tenant_load(addr, tenant)
     return 0 if t is None else t.finished

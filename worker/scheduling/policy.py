@@ -35,9 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from fairshare.tiers import TIERS  # noqa: F401 (re-exported: the tier order, highest first)
 from worker.scheduling.cost import CostFunction, LinearCost
-
-TIERS = ("interactive", "batch", "background")
 
 
 @dataclass
