@@ -178,15 +178,20 @@ def test_error_bodies_are_openai_error_objects(gw, name):
 
 class AbortAfterFirstMessage(ProxyWorker):
     """Forwards to the real worker, but ends every Generate stream with FINISH_REASON_ABORT right
-    after the worker's first message that carries tokens (a worker giving up mid-generation)."""
+    after the worker's first message that carries tokens, forwarded as unfinished even when the worker
+    had sent every token in it (a worker giving up mid-generation, on any machine)."""
 
     def Generate(self, request, context):
         self.requests.append(request)
         call = self.stub.Generate(request)
         context.add_callback(call.cancel)
         for msg in call:
-            if msg.token_ids and msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
-                yield msg
+            if msg.token_ids:  # the worker may send every token and its finish in one (coalesced) message:
+                part = pb.GenerateResponse()  # forward its tokens as unfinished, then give up
+                part.CopyFrom(msg)
+                part.ClearField("finish_reason")
+                part.ClearField("usage")
+                yield part
                 call.cancel()
                 yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ABORT,
                                           usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids),
