@@ -167,9 +167,9 @@ def test_worker_failing_before_first_token_is_retried_on_another(gateway_factory
     bad = proxies(mode)
     good = proxies("record")
     gw = gateway_factory([{"id": f"retry-{mode}", "limits": {"tpm": 100000}}], workers=[bad.addr, good.addr],
-                         health_interval_s=30.0, metrics_token="routing-metrics-token")
+                         health_interval_s=30.0, metrics_token="routing-metrics-token", routing="least-loaded")
     client = gw.client(f"retry-{mode}")
-    for i in range(4):  # ties are broken round robin, so the faulty worker is picked first at least once
+    for i in range(4):  # least-loaded breaks ties in turn, so the faulty worker is picked first at least once
         r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, stream=bool(i % 2))
         if i % 2:
             assert list(r)[-1].choices[0].finish_reason == "length"

@@ -1,0 +1,267 @@
+"""Which worker a request goes to: the routing policies, pure and framework-free.
+
+Imports nothing but the standard library (no grpc, no fastapi), so the live gateway
+(`gateway.routing.WorkerPool`) and the pool simulator (`worker.sim.pool`) run the same code.
+
+Three policies (`--routing`):
+
+- ``least-loaded``: the worker with the fewest in-flight tokens (prompt + max_tokens of the requests
+  it holds); ties in turn (round robin).
+- ``prefix``: tenant- and prefix-affine. A request's *route key* is its tenant's cache namespace
+  plus the first `prefix_tokens` tokens of its prompt (`route_key`); the workers are ranked by
+  rendezvous hashing of that key (highest random weight, Thaler & Ravishankar, "Using Name-Based
+  Mappings to Increase Hit Rates", IEEE/ACM ToN 1998) and the request goes to the first one in that
+  ranking whose load stays within a bound (consistent hashing with bounded loads, Mirrokni, Thorup
+  & Zadimoghaddam, SODA 2018): ``load + cost <= load_factor * (total load + cost) / n + slack``.
+  So every request of one namespace and prompt head lands on the same worker, which is the one
+  whose radix cache holds that namespace's blocks (caches are per tenant namespace, so nothing is
+  lost by keeping tenants apart); when that worker is over the bound the request goes to the
+  key's next worker in the ranking (its second home, which then caches the prefix too), and when
+  every ranked worker is over it, to the least-loaded one. Rendezvous hashing needs no shared
+  state: every gateway replica ranks the same way, and adding or removing a worker moves only the
+  keys whose first choice it is (or was). SGLang's model gateway (its cache-aware router) and
+  llm-d's prefix scorer keep per-worker approximate prefix indexes instead; a hash is what stateless
+  replicas can agree on without talking to each other.
+- ``fair``: ``prefix``, plus *spill* for tenants whose pool-wide share lags (`FairRouting`):
+  workers publish, per tenant, the pool-wide virtual counter they order by and whether the tenant
+  is backlogged there (`PoolBoard`, fed from Redis in the gateway and from the simulated workers in
+  the simulator). A backlogged tenant whose counter is more than `spill_units` weighted service
+  units below every backlogged same-tier tenant of some worker is sent to the worker where that
+  margin is largest: there the pool-wide counters put it first, so it catches up, beyond the
+  workers its affinity gives it. This is the router half of FairShare's pool fairness (the worker
+  half: `worker.scheduling.pool`); the structure follows D²LPM (Cao et al., "Locality-aware Fair
+  Scheduling in LLM Serving", arXiv 2501.14312: locality-first dispatch that a fairness deficit
+  overrides), with VTC counters in place of its deficits (docs/fairness.md, "Fair shares over a
+  pool").
+
+Loads and costs are in tokens (prompt + max_tokens); counters in weighted service units.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence
+
+ROUTING_POLICIES = ("least-loaded", "prefix", "fair")
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What routing knows of a request.
+
+    tenant_id / tier: the authenticated tenant. namespace: whatever separates its prefix cache from
+    others' (the gateway's per-tenant cache namespace plus the client's cache_salt). prompt: token
+    ids. cost: tokens it holds while in flight (prompt + max_tokens).
+    """
+
+    tenant_id: str
+    namespace: str
+    prompt: Sequence[int]
+    cost: int
+    tier: str = "interactive"
+
+
+class Candidate(Protocol):
+    """A worker routing may choose: a stable identity and its load (in-flight tokens)."""
+
+    @property
+    def route_id(self) -> str: ...
+
+    def load_score(self) -> float: ...
+
+
+def route_key(namespace: str, prompt: Sequence[int], prefix_tokens: int) -> bytes:
+    """The bytes rendezvous hashing ranks workers by: `namespace`, then the first `prefix_tokens`
+    prompt tokens (all of them when the prompt is shorter). Raises ValueError for prefix_tokens < 0."""
+    if prefix_tokens < 0:
+        raise ValueError("prefix_tokens must be >= 0")
+    head = ",".join(str(int(t)) for t in prompt[:prefix_tokens])
+    return namespace.encode() + b"\x00" + head.encode()
+
+
+def _weight(key: bytes, worker_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key + b"\x01" + worker_id.encode(), digest_size=8).digest(), "big")
+
+
+def rendezvous_rank(key: bytes, worker_ids: Iterable[str]) -> list[str]:
+    """Worker ids from the key's first choice to its last (highest random weight first; ties by id)."""
+    return sorted(worker_ids, key=lambda w: (-_weight(key, w), w))
+
+
+@dataclass
+class TenantOnWorker:
+    """One tenant as one worker last published it: its pool-wide virtual counter (weighted service
+    units), whether it is backlogged there (queued work or prefill left) and its tier."""
+
+    counter: float
+    backlogged: bool
+    tier: str = "interactive"
+
+
+@dataclass
+class PoolBoard:
+    """What workers last published (worker id -> tenant id -> `TenantOnWorker`). Empty: no pool
+    counters (the `fair` policy then routes as `prefix`)."""
+
+    workers: dict[str, dict[str, TenantOnWorker]] = field(default_factory=dict)
+
+    def counter(self, tenant_id: str) -> float | None:
+        """The tenant's pool-wide counter: the largest any worker reports (the freshest view moves
+        up only), or None when no worker knows the tenant."""
+        vals = [ts[tenant_id].counter for ts in self.workers.values() if tenant_id in ts]
+        return max(vals) if vals else None
+
+    def backlogged(self, tenant_id: str) -> bool:
+        """Whether some worker reports the tenant backlogged."""
+        return any(ts[tenant_id].backlogged for ts in self.workers.values() if tenant_id in ts)
+
+
+class RoutingPolicy:
+    """Base class. `choose(request, candidates)` returns one of `candidates` (non-empty)."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self._rr = itertools.count()
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]):
+        """The worker for `request`. Raises ValueError when `candidates` is empty."""
+        raise NotImplementedError
+
+    def least_loaded(self, candidates: Sequence[Candidate]):
+        """The candidate with the fewest in-flight tokens; ties in turn. Raises ValueError when empty."""
+        if not candidates:
+            raise ValueError("no candidate workers")
+        best = min(c.load_score() for c in candidates)
+        tied = [c for c in candidates if c.load_score() == best]
+        return tied[next(self._rr) % len(tied)]
+
+    def describe(self) -> str:
+        """One line naming the policy and its parameters."""
+        return self.name
+
+
+class LeastLoaded(RoutingPolicy):
+    """The worker with the fewest in-flight tokens (ties in turn)."""
+
+    name = "least-loaded"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]):
+        return self.least_loaded(candidates)
+
+
+class PrefixAffinity(RoutingPolicy):
+    """Rendezvous hashing of the route key with bounded loads (module docstring).
+
+    prefix_tokens: prompt tokens in the route key (>= 0; 0: the namespace alone, i.e. tenant
+    affinity). load_factor: c >= 1 of the bound. slack_tokens: tokens a worker may hold above the
+    bound's average share (so that a lightly loaded pool keeps affinity). Raises ValueError on bad
+    parameters.
+    """
+
+    name = "prefix"
+
+    def __init__(self, prefix_tokens: int = 32, load_factor: float = 1.25, slack_tokens: int = 8192) -> None:
+        super().__init__()
+        if prefix_tokens < 0 or not load_factor >= 1.0 or slack_tokens < 0:
+            raise ValueError("prefix_tokens >= 0, load_factor >= 1 and slack_tokens >= 0 are required")
+        self.prefix_tokens = int(prefix_tokens)
+        self.load_factor = float(load_factor)
+        self.slack_tokens = int(slack_tokens)
+
+    def bound(self, request: RouteRequest, candidates: Sequence[Candidate]) -> float:
+        """Most tokens a worker may hold after taking `request` and still count as within the bound."""
+        total = sum(c.load_score() for c in candidates) + request.cost
+        return self.load_factor * total / len(candidates) + self.slack_tokens
+
+    def ranked(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list:
+        """`candidates` in the request's rendezvous order (its home first)."""
+        by_id = {c.route_id: c for c in candidates}
+        key = route_key(request.namespace, request.prompt, self.prefix_tokens)
+        return [by_id[w] for w in rendezvous_rank(key, by_id)]
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]):
+        if not candidates:
+            raise ValueError("no candidate workers")
+        limit = self.bound(request, candidates)
+        for c in self.ranked(request, candidates):
+            if c.load_score() + request.cost <= limit:
+                return c
+        return self.least_loaded(candidates)
+
+    def describe(self) -> str:
+        return (f"prefix (rendezvous hash of namespace + first {self.prefix_tokens} prompt tokens; load bound "
+                f"{self.load_factor:g} x mean + {self.slack_tokens} tokens)")
+
+
+class FairRouting(PrefixAffinity):
+    """`PrefixAffinity` plus spill of tenants whose pool-wide counter lags (module docstring).
+
+    board: a callable returning the current `PoolBoard` (what workers last published). spill_units:
+    the margin (weighted service units) by which every backlogged same-tier tenant of a worker must
+    lead the request's tenant for it to spill there (> 0). Raises ValueError on bad parameters.
+    """
+
+    name = "fair"
+
+    def __init__(self, board=None, *, spill_units: float = 1024.0, **options) -> None:
+        super().__init__(**options)
+        if not spill_units > 0:
+            raise ValueError("spill_units must be > 0")
+        self.board = board or PoolBoard
+        self.spill_units = float(spill_units)
+        self.spills = 0
+        self.on_spill = None  # callable(request): told of each spill (the gateway counts them per tenant)
+
+    def spill_target(self, request: RouteRequest, candidates: Sequence[Candidate]):
+        """The candidate where the request's tenant leads every backlogged same-tier tenant by the
+        largest margin, if that margin exceeds `spill_units` and the tenant is backlogged; else None."""
+        board = self.board()
+        if not board.workers or not board.backlogged(request.tenant_id):
+            return None
+        mine = board.counter(request.tenant_id)
+        if mine is None:
+            return None
+        best, best_margin = None, self.spill_units
+        for c in candidates:
+            rivals = [t.counter for tid, t in board.workers.get(c.route_id, {}).items()
+                      if tid != request.tenant_id and t.backlogged and t.tier == request.tier]
+            if not rivals:
+                continue  # an idle worker: the load bound already sends work there
+            margin = min(rivals) - mine
+            if margin > best_margin or (margin == best_margin and best is not None
+                                        and c.load_score() < best.load_score()):
+                best, best_margin = c, margin
+        return best
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]):
+        target = self.spill_target(request, candidates)
+        if target is not None:
+            self.spills += 1
+            if self.on_spill is not None:
+                self.on_spill(request)
+            return target
+        return super().choose(request, candidates)
+
+    def describe(self) -> str:
+        return super().describe().replace("prefix (", "fair (", 1) + f"; spill at a lag of {self.spill_units:g} units"
+
+
+def make_routing(name: str, board=None, **options) -> RoutingPolicy:
+    """A routing policy by name (`ROUTING_POLICIES`). options: `PrefixAffinity` / `FairRouting`
+    parameters (None values are ignored). Raises ValueError for an unknown name or bad options."""
+    options = {k: v for k, v in options.items() if v is not None}
+    if name == "least-loaded":
+        return LeastLoaded()
+    if name == "prefix":
+        options.pop("spill_units", None)
+        return PrefixAffinity(**options)
+    if name == "fair":
+        return FairRouting(board, **options)
+    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(ROUTING_POLICIES)}")
+
+
+__all__ = ["ROUTING_POLICIES", "Candidate", "FairRouting", "LeastLoaded", "PoolBoard", "PrefixAffinity",
+           "RouteRequest", "RoutingPolicy", "TenantOnWorker", "make_routing", "rendezvous_rank", "route_key"]
