@@ -1,0 +1,84 @@
+"""The CPU driver of SGLang 0.5.23's scheduler (tests/sglang/sglang_driver.py) steps SGLang's own
+code with the plugin's hooks firing from SGLang's call sites, and what it records is what happened."""
+
+from __future__ import annotations
+
+import inspect
+
+from tests.parity.workloads import DRAIN, WORKLOADS
+from tests.sglang.sglang_driver import Scheduler, SGLangDriver, ensure_plugin, run_sglang
+
+from sglang.srt.managers.schedule_batch import ScheduleBatch  # noqa: E402  (after the driver's prepare())
+from worker.sglang_plugin import hooks
+
+
+def _expected_service(workload, tenant, alpha=1.0, beta=2.0):
+    return sum(alpha * r.prompt_tokens + beta * r.output_tokens for r in workload.requests if r.tenant_id == tenant)
+
+
+def test_driver_runs_sglangs_own_methods_with_the_plugin_hooks():
+    ensure_plugin()
+    for name in ("get_next_batch_to_run", "update_running_batch", "_get_new_batch_prefill_raw"):
+        assert inspect.getmodule(getattr(Scheduler, name)).__name__ == "sglang.srt.managers.scheduler"
+    # the driver's Scheduler shadows none of the class's methods: it only holds what __init__ would set
+    with SGLangDriver(WORKLOADS["overload"]) as driver:
+        shadowed = [k for k in vars(driver.scheduler) if callable(getattr(Scheduler, k, None))]
+        assert type(driver.scheduler) is Scheduler and not shadowed, shadowed
+    assert inspect.getclosurevars(Scheduler.get_new_batch_prefill).nonlocals["hook"] is hooks.after_get_new_batch_prefill
+
+
+def test_drain_every_request_finishes_no_kv_leaked_each_token_charged_once():
+    """DRAIN: prompts longer than a chunk (chunked prefill over several passes), a pool small enough
+    that decode runs out of KV (conservativeness 0.3 lowers SGLang's decode reserve), two weights."""
+    calls = []
+    original = ScheduleBatch.__dict__["_get_decode_retraction_order"]
+    with SGLangDriver(DRAIN, conservativeness=0.3) as driver:
+        state = driver.state
+        real = state.retraction_order
+
+        def spy(reqs):
+            calls.append([r.rid for r in reqs])
+            return real(reqs)
+
+        state.retraction_order = spy
+        trace = driver.run()
+        assert all(r.finished() for r in driver.reqs.values()), [r.rid for r in driver.reqs.values() if not r.finished()]
+        assert driver.leaked_tokens() == 0
+        snapshot = state.snapshot()
+    assert ScheduleBatch.__dict__["_get_decode_retraction_order"] is original
+    assert sorted(trace.finished()) == sorted(r.request_id for r in DRAIN.requests)
+    # SGLang retracted (ScheduleBatch.retract_decode, through the plugin's REPLACE hook) and the
+    # retracted request came back, was admitted again and finished
+    assert calls and trace.retractions()
+    for rid in trace.retractions():
+        assert trace.admission_order().count(rid) >= 2
+    assert sum(v["retractions"] for v in snapshot.values()) == len(trace.retractions())
+    # recomputation after a retraction is not charged again: service = α·P + β·O per tenant
+    for tenant in ("a", "b"):
+        assert snapshot[tenant]["charged_service"] == _expected_service(DRAIN, tenant)
+        assert trace.records[-1].service[tenant] == _expected_service(DRAIN, tenant)
+    # tokens computed cover at least every prompt and output token once
+    computed = {t: sum(rec.tokens.get(t, 0) for rec in trace.records) for t in ("a", "b")}
+    for tenant in ("a", "b"):
+        need = sum(r.prompt_tokens + r.output_tokens - 1 for r in DRAIN.requests if r.tenant_id == tenant)
+        assert computed[tenant] >= need
+
+
+def test_driver_restores_plugin_state_and_is_deterministic():
+    before = hooks.get_state()
+    w = WORKLOADS["overload"]
+    one, two = run_sglang(w), run_sglang(w)
+    assert hooks.get_state() is before
+    assert [r.admitted for r in one.records] == [r.admitted for r in two.records]
+    assert one.records[-1].service == two.records[-1].service
+
+
+def test_vtc_order_reaches_the_prefill_adder():
+    """The plugin's order decides admissions: in `weighted` (weights 1 and 3, both flooding),
+    SGLang admits about three of w3's requests per one of w1's once both are backlogged, where its
+    own FCFS order would admit all 40 of w1's first (they arrived first)."""
+    t = run_sglang(WORKLOADS["weighted"], "vtc")
+    first = t.first_admissions()[:24]
+    assert 15 <= sum(r.startswith("w3-") for r in first) <= 20, first
+    fcfs = run_sglang(WORKLOADS["weighted"], "fcfs")
+    assert all(r.startswith("w1-") for r in fcfs.first_admissions()[:40])
