@@ -10,7 +10,8 @@ reads them (a worker that died leaves the board within that time).
 
 A report carries, per tenant: charged service units on that worker (cumulative since the worker
 started: `epoch` changes when it restarts), weight, tier, whether it is backlogged there (queued
-work or prefill left) and the pool-wide virtual counter that worker orders it by.
+work or prefill left), the pool-wide virtual counter that worker orders it by and how many of its
+requests run there.
 """
 
 from __future__ import annotations
@@ -58,13 +59,17 @@ return out
 @dataclass
 class TenantReport:
     """One tenant on one worker. charged: service units charged there since the worker started.
-    counter: the pool-wide virtual counter that worker orders the tenant by (weighted units)."""
+    counter: the pool-wide virtual counter that worker orders the tenant by (weighted units).
+    running: its requests running there. lift: the part of its counter VTC's lifts added (workers
+    take the largest any of them reports: the counters then agree across the pool)."""
 
     charged: float
     weight: float = 1.0
     tier: str = "interactive"
     backlogged: bool = False
     counter: float = 0.0
+    running: int = 0
+    lift: float = 0.0
 
 
 @dataclass
@@ -80,7 +85,8 @@ class WorkerReport:
     def encode(self) -> str:
         """The JSON written to the board."""
         return json.dumps({"epoch": self.epoch, "tenants": {
-            t: [r.charged, r.weight, r.tier, int(r.backlogged), r.counter] for t, r in self.tenants.items()}},
+            t: [r.charged, r.weight, r.tier, int(r.backlogged), r.counter, r.running, r.lift]
+            for t, r in self.tenants.items()}},
             separators=(",", ":"))
 
     @classmethod
@@ -88,7 +94,8 @@ class WorkerReport:
         """Parse a report. Raises ValueError when it is not one."""
         try:
             data = json.loads(text)
-            tenants = {str(t): TenantReport(float(v[0]), float(v[1]), str(v[2]), bool(v[3]), float(v[4]))
+            tenants = {str(t): TenantReport(float(v[0]), float(v[1]), str(v[2]), bool(v[3]), float(v[4]),
+                                            int(v[5]) if len(v) > 5 else 0, float(v[6]) if len(v) > 6 else 0.0)
                        for t, v in data["tenants"].items()}
             return cls(worker_id, str(data["epoch"]), tenants, age_s)
         except (KeyError, TypeError, IndexError, ValueError) as e:

@@ -10,7 +10,7 @@ Gateway
                                                         # its A/AAAA records, re-resolved), file:///path
                       [--discovery-interval-s 5] [--health-failures 3]
                       [--routing fair|prefix|least-loaded] [--route-prefix-tokens 32]
-                      [--route-load-factor 1.25] [--route-slack-tokens 8192] [--route-spill-units 1024]
+                      [--route-load-factor 1.25] [--route-slack-tokens 4096] [--route-spill-units 1024]
                       [--redis-url redis://127.0.0.1:6379/0] [--redis-cluster]
                       [--secret-file FILE]              # server secret (alternative: FAIRSHARE_SECRET)
                       [--keys-file FILE]                # default: <tenants stem>.keys.yaml next to FILE
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--route-load-factor", dest="route_load_factor", type=float,
                    help="a worker over factor x mean in-flight tokens + slack gets no affine request (default 1.25)")
     p.add_argument("--route-slack-tokens", dest="route_slack_tokens", type=int,
-                   help="in-flight tokens a worker may hold above the bound's mean share (default 8192)")
+                   help="in-flight tokens a worker may hold above the bound's mean share (default 4096)")
     p.add_argument("--route-spill-units", dest="route_spill_units", type=float,
                    help="fair routing: lag in weighted service units beyond which a tenant spills (default 1024)")
     p.add_argument("--redis-url", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from fairshare.aio import cancel_and_wait
 from fairshare.pool_board import STALE_MS, SYNC_SCRIPT, board_keys, decode_sync
 
-from .routing_policy import PoolBoard, TenantOnWorker
+from .routing_policy import PoolBoard
 
 log = logging.getLogger("fairshare.gateway")
 
@@ -55,8 +55,7 @@ class BoardReader:
             self._failing = True
             return None
         self._failing = False
-        board = PoolBoard({r.worker_id: {t: TenantOnWorker(x.counter, x.backlogged, x.tier)
-                                         for t, x in r.tenants.items()} for r in decode_sync(reply)})
+        board = PoolBoard.from_reports(decode_sync(reply))
         self.board, self.read_at = board, time.monotonic()
         return board
 

@@ -23,16 +23,16 @@ Three policies (`--routing`):
   llm-d's prefix scorer keep per-worker approximate prefix indexes instead; a hash is what stateless
   replicas can agree on without talking to each other.
 - ``fair``: ``prefix``, plus *spill* for tenants whose pool-wide share lags (`FairRouting`):
-  workers publish, per tenant, the pool-wide virtual counter they order by and whether the tenant
-  is backlogged there (`PoolBoard`, fed from Redis in the gateway and from the simulated workers in
-  the simulator). A backlogged tenant whose counter is more than `spill_units` weighted service
-  units below every backlogged same-tier tenant of some worker is sent to the worker where that
-  margin is largest: there the pool-wide counters put it first, so it catches up, beyond the
-  workers its affinity gives it. This is the router half of FairShare's pool fairness (the worker
-  half: `worker.scheduling.pool`); the structure follows D²LPM (Cao et al., "Locality-aware Fair
+  workers publish, per tenant, the pool-wide virtual counter they order by, whether the tenant is
+  backlogged there and how many of its requests run there (`PoolBoard`, fed from Redis in the
+  gateway and from the simulated workers in the simulator). A contended tenant below its weighted
+  share of the pool's running requests, or whose counter lags every active tenant of some worker by
+  more than `spill_units`, is sent beyond its affine worker, to where it gains a slot or is first
+  in line. This is the router half of FairShare's pool fairness (the worker half:
+  `worker.scheduling.pool`); the structure follows D²LPM (Cao et al., "Locality-aware Fair
   Scheduling in LLM Serving", arXiv 2501.14312: locality-first dispatch that a fairness deficit
-  overrides), with VTC counters in place of its deficits (docs/fairness.md, "Fair shares over a
-  pool").
+  overrides), with VTC counters and slot shares in place of its deficits (docs/fairness.md, "Fair
+  shares over a pool").
 
 Loads and costs are in tokens (prompt + max_tokens); counters in weighted service units.
 """
@@ -93,11 +93,19 @@ def rendezvous_rank(key: bytes, worker_ids: Iterable[str]) -> list[str]:
 @dataclass
 class TenantOnWorker:
     """One tenant as one worker last published it: its pool-wide virtual counter (weighted service
-    units), whether it is backlogged there (queued work or prefill left) and its tier."""
+    units), whether it is backlogged there (queued work or prefill left), its tier and its requests
+    running there."""
 
     counter: float
     backlogged: bool
     tier: str = "interactive"
+    running: int = 0
+    weight: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        """Backlogged or running there: it holds a share of that worker."""
+        return self.backlogged or self.running > 0
 
 
 @dataclass
@@ -106,6 +114,14 @@ class PoolBoard:
     counters (the `fair` policy then routes as `prefix`)."""
 
     workers: dict[str, dict[str, TenantOnWorker]] = field(default_factory=dict)
+
+    @classmethod
+    def from_reports(cls, reports) -> "PoolBoard":
+        """A board from workers' reports (`fairshare.pool_board.WorkerReport`s: ``worker_id`` and
+        ``tenants``, tenant id -> object with ``counter``, ``backlogged``, ``tier``)."""
+        return cls({r.worker_id: {t: TenantOnWorker(x.counter, x.backlogged, x.tier, getattr(x, "running", 0),
+                                                     getattr(x, "weight", 1.0))
+                                  for t, x in r.tenants.items()} for r in reports})
 
     def counter(self, tenant_id: str) -> float | None:
         """The tenant's pool-wide counter: the largest any worker reports (the freshest view moves
@@ -163,7 +179,7 @@ class PrefixAffinity(RoutingPolicy):
 
     name = "prefix"
 
-    def __init__(self, prefix_tokens: int = 32, load_factor: float = 1.25, slack_tokens: int = 8192) -> None:
+    def __init__(self, prefix_tokens: int = 32, load_factor: float = 1.25, slack_tokens: int = 4096) -> None:
         super().__init__()
         if prefix_tokens < 0 or not load_factor >= 1.0 or slack_tokens < 0:
             raise ValueError("prefix_tokens >= 0, load_factor >= 1 and slack_tokens >= 0 are required")
@@ -197,11 +213,23 @@ class PrefixAffinity(RoutingPolicy):
 
 
 class FairRouting(PrefixAffinity):
-    """`PrefixAffinity` plus spill of tenants whose pool-wide counter lags (module docstring).
+    """`PrefixAffinity` plus spill for tenants whose pool-wide share lags (module docstring).
 
-    board: a callable returning the current `PoolBoard` (what workers last published). spill_units:
-    the margin (weighted service units) by which every backlogged same-tier tenant of a worker must
-    lead the request's tenant for it to spill there (> 0). Raises ValueError on bad parameters.
+    Two rules, both read from the workers' reports (`PoolBoard`), both only for a tenant that is
+    backlogged somewhere or whose affine worker has queued work (so a lightly loaded pool keeps its
+    affinity):
+
+    - slot share (`slot_target`): the tenant runs fewer requests than its weighted share of the
+      running requests of its tier across the pool; it goes to the worker where its local weighted
+      share exceeds what it runs there by the most (at least one request): there the worker's
+      returning-tenant rule (`worker.scheduling.returning`) gives it a slot at once, preempting an
+      over-share tenant. This reacts at once, before any service difference builds up.
+    - counter lag (`lag_target`): its pool-wide virtual counter is more than `spill_units` below the
+      counter of every active (running or backlogged) same-tier tenant of some worker; it goes to
+      the worker where that margin is largest: the pool-wide counters put it first there.
+
+    board: a callable returning the current `PoolBoard`. spill_units: the counter margin (weighted
+    service units, > 0). Raises ValueError on bad parameters.
     """
 
     name = "fair"
@@ -215,26 +243,73 @@ class FairRouting(PrefixAffinity):
         self.spills = 0
         self.on_spill = None  # callable(request): told of each spill (the gateway counts them per tenant)
 
-    def spill_target(self, request: RouteRequest, candidates: Sequence[Candidate]):
-        """The candidate where the request's tenant leads every backlogged same-tier tenant by the
-        largest margin, if that margin exceeds `spill_units` and the tenant is backlogged; else None."""
-        board = self.board()
-        if not board.workers or not board.backlogged(request.tenant_id):
+    def _contended(self, board: PoolBoard, request: RouteRequest, candidates: Sequence[Candidate]) -> bool:
+        """Whether spill may apply: the tenant is backlogged somewhere, or its affine worker has queued work."""
+        if board.backlogged(request.tenant_id):
+            return True
+        home = super().choose(request, candidates)
+        return any(x.backlogged for x in board.workers.get(home.route_id, {}).values())
+
+    @staticmethod
+    def _rivals(board: PoolBoard, worker_id: str, request: RouteRequest) -> dict[str, TenantOnWorker]:
+        """Active same-tier tenants of a worker other than the request's."""
+        return {tid: x for tid, x in board.workers.get(worker_id, {}).items()
+                if tid != request.tenant_id and x.active and x.tier == request.tier}
+
+    def slot_target(self, request: RouteRequest, candidates: Sequence[Candidate], board: PoolBoard | None = None):
+        """The worker where the tenant gains the most running slots toward its pool-wide weighted
+        share (class docstring), or None."""
+        board = board if board is not None else self.board()
+        me = request.tenant_id
+        running: dict[str, int] = {}
+        weights: dict[str, float] = {}
+        for ts in board.workers.values():
+            for tid, x in ts.items():
+                if x.tier == request.tier and (x.active or tid == me):
+                    running[tid] = running.get(tid, 0) + x.running
+                    weights[tid] = x.weight
+        if me not in weights:
             return None
+        share = sum(running.values()) * weights[me] / sum(weights.values())
+        if running[me] + 1 > share + 1e-9:
+            return None  # it holds its share
+        best, best_gain = None, 1.0 - 1e-9
+        for c in candidates:
+            rivals = self._rivals(board, c.route_id, request)
+            if not rivals:
+                continue  # an idle worker: the load bound already sends work there
+            mine = board.workers.get(c.route_id, {}).get(me)
+            here = mine.running if mine else 0
+            n = sum(x.running for x in rivals.values()) + here
+            gain = n * weights[me] / (weights[me] + sum(x.weight for x in rivals.values())) - here
+            if gain > best_gain or (gain == best_gain and best is not None and c.load_score() < best.load_score()):
+                best, best_gain = c, gain
+        return best
+
+    def lag_target(self, request: RouteRequest, candidates: Sequence[Candidate], board: PoolBoard | None = None):
+        """The worker where every active same-tier tenant leads the request's tenant's pool-wide
+        counter by the largest margin above `spill_units`, or None."""
+        board = board if board is not None else self.board()
         mine = board.counter(request.tenant_id)
         if mine is None:
             return None
         best, best_margin = None, self.spill_units
         for c in candidates:
-            rivals = [t.counter for tid, t in board.workers.get(c.route_id, {}).items()
-                      if tid != request.tenant_id and t.backlogged and t.tier == request.tier]
+            rivals = self._rivals(board, c.route_id, request)
             if not rivals:
-                continue  # an idle worker: the load bound already sends work there
-            margin = min(rivals) - mine
+                continue
+            margin = min(x.counter for x in rivals.values()) - mine
             if margin > best_margin or (margin == best_margin and best is not None
                                         and c.load_score() < best.load_score()):
                 best, best_margin = c, margin
         return best
+
+    def spill_target(self, request: RouteRequest, candidates: Sequence[Candidate]):
+        """Where the request spills to (slot share first, then counter lag), or None: route by affinity."""
+        board = self.board()
+        if not board.workers or not self._contended(board, request, candidates):
+            return None
+        return self.slot_target(request, candidates, board) or self.lag_target(request, candidates, board)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]):
         target = self.spill_target(request, candidates)
@@ -246,7 +321,8 @@ class FairRouting(PrefixAffinity):
         return super().choose(request, candidates)
 
     def describe(self) -> str:
-        return super().describe().replace("prefix (", "fair (", 1) + f"; spill at a lag of {self.spill_units:g} units"
+        return (super().describe().replace("prefix (", "fair (", 1)
+                + f"; spill below the pool slot share or at a counter lag of {self.spill_units:g} units")
 
 
 def make_routing(name: str, board=None, **options) -> RoutingPolicy:
