@@ -95,6 +95,19 @@ class PoolResult:
     def cost(self):
         return self.workers[0].engine.cost
 
+    def queue_times(self) -> list[float]:
+        """Queue time (arrival -> first scheduled, s) of every request that arrived in the window
+        and was scheduled, pool-wide."""
+        t0, t1 = self.window
+        return [r.admitted - r.arrival for r in self.log.requests.values()
+                if r.admitted is not None and t0 <= r.arrival < t1]
+
+    def queue_percentile(self, q: float) -> float:
+        """The q-th percentile (0..100) of `queue_times` (NaN without requests)."""
+        from worker.scheduling.metrics import percentile
+
+        return percentile(self.queue_times(), q)
+
 
 def _requests(workload, seed: int, rate_scale: float) -> list[tuple]:
     """(spec, prompt token ids) per request in arrival order, for a `Workload` (synthetic prompts,
