@@ -12,7 +12,8 @@ Three policies (`--routing`):
   rendezvous hashing of that key (highest random weight, Thaler & Ravishankar, "Using Name-Based
   Mappings to Increase Hit Rates", IEEE/ACM ToN 1998) and the request goes to the first one in that
   ranking whose load stays within a bound (consistent hashing with bounded loads, Mirrokni, Thorup
-  & Zadimoghaddam, SODA 2018): ``load + cost <= load_factor * (total load + cost) / n + slack``.
+  & Zadimoghaddam, SODA 2018): ``load + cost <= max(load_factor * (total load + cost) / n, cost)
+  + slack``.
   So every request of one namespace and prompt head lands on the same worker, which is the one
   whose radix cache holds that namespace's blocks (caches are per tenant namespace, so nothing is
   lost by keeping tenants apart); when that worker is over the bound the request goes to the
@@ -188,9 +189,11 @@ class PrefixAffinity(RoutingPolicy):
         self.slack_tokens = int(slack_tokens)
 
     def bound(self, request: RouteRequest, candidates: Sequence[Candidate]) -> float:
-        """Most tokens a worker may hold after taking `request` and still count as within the bound."""
+        """Most tokens a worker may hold after taking `request` and still count as within the bound:
+        ``max(load_factor * (total + cost) / n, cost) + slack`` (at least the request itself, as the
+        ceiling in the bounded-loads capacity ``ceil(c * m / n)`` guarantees one item)."""
         total = sum(c.load_score() for c in candidates) + request.cost
-        return self.load_factor * total / len(candidates) + self.slack_tokens
+        return max(self.load_factor * total / len(candidates), request.cost) + self.slack_tokens
 
     def ranked(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list:
         """`candidates` in the request's rendezvous order (its home first)."""

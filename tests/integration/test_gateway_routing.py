@@ -4,6 +4,7 @@ fail on purpose); generation itself always comes from the real worker."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -34,7 +35,7 @@ class ProxyWorker(pb_grpc.WorkerServicer):
     different template with its matching digest), ``slow_start`` (waits 5 s before forwarding, as if
     queued; records a cancellation)."""
 
-    def __init__(self, target: str, mode: str = "record"):
+    def __init__(self, target: str, mode: str = "record", health_servicer=None):
         self.mode = mode
         self.requests: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
@@ -45,7 +46,7 @@ class ProxyWorker(pb_grpc.WorkerServicer):
         self.server = grpc.server(futures.ThreadPoolExecutor(16),
                                   options=[("grpc.max_send_message_length", 256 << 20)])
         pb_grpc.add_WorkerServicer_to_server(self, self.server)
-        self.health = health.HealthServicer()
+        self.health = health_servicer or health.HealthServicer()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -95,8 +96,8 @@ class ProxyWorker(pb_grpc.WorkerServicer):
 def proxies(worker_addr):
     made = []
 
-    def make(mode="record"):
-        p = ProxyWorker(worker_addr, mode)
+    def make(mode="record", health_servicer=None):
+        p = ProxyWorker(worker_addr, mode, health_servicer)
         made.append(p)
         return p
 
@@ -256,3 +257,54 @@ def test_client_leaving_before_the_first_token_cancels_and_releases(gateway_fact
         assert time.monotonic() < deadline, (slow.cancelled, gw.leases(tid))
         time.sleep(0.02)
     assert slow.cancelled == [slow.requests[0].request_id]
+
+
+class StallingHealth(health.HealthServicer):
+    """grpc.health.v1 whose next `stall` Check calls answer only after `stall_s` seconds (a worker
+    too busy to answer in time), then normally."""
+
+    def __init__(self, stall_s: float = 4.0):
+        super().__init__()
+        self.stall = 0
+        self.stall_s = stall_s
+
+    def Check(self, request, context):
+        if self.stall > 0:
+            self.stall -= 1
+            time.sleep(self.stall_s)
+        return super().Check(request, context)
+
+
+async def test_a_serving_worker_leaves_routing_after_three_missed_checks_or_at_once_when_not_serving(proxies):
+    from gateway.routing import WorkerPool
+
+    flaky = StallingHealth()
+    p = proxies("record", health_servicer=flaky)
+    # the test drives the checks itself (no background round after the first)
+    pool = WorkerPool([p.addr], health_interval_s=3600, health_timeout_s=1.0, health_failures=3)
+    await pool.start()
+    await pool._first_round.wait()
+    (w,) = pool.workers
+    try:
+        assert w.usable and w.worker_id, w.last_error
+        flaky.stall = 2
+        for missed in (1, 2):  # one or two slow answers under load: still routed to
+            await pool.poll_once()
+            assert w.failures == missed and w.usable
+        await pool.poll_once()
+        assert w.failures == 0 and w.usable
+        flaky.stall = 3
+        for _ in range(3):
+            await pool.poll_once()
+        assert not w.usable and "3 failed check(s) in a row" in w.last_error
+        await pool.poll_once()
+        assert w.usable
+        # draining (NOT_SERVING): out at once, from the health Watch stream, before any check
+        p.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.NOT_SERVING)
+        deadline = time.monotonic() + 30
+        while w.usable:
+            assert time.monotonic() < deadline, "the health watch never took the NOT_SERVING worker out"
+            await asyncio.sleep(0.02)
+        assert "watch" in w.last_error
+    finally:
+        await pool.stop()

@@ -217,10 +217,9 @@ class VTCPolicy(SchedulingPolicy):
 
     def apply_pool(self, inputs) -> None:
         """Pool-wide counters (`worker.scheduling.pool`): add service charged elsewhere (`Δc / w`) to
-        each tenant's counter, take the largest lift any worker made (lifts only grow, so the
-        largest is the latest), and lift the tenants that became pool-backlogged since the last read
-        (backlogged elsewhere now, and neither here nor elsewhere before)."""
-        before = self._elsewhere | {a.tenant_id for a in self.accounts.values() if a.backlogged}
+        each tenant's counter and take the largest lift any worker made (lifts only grow, so the
+        largest is the latest: the worker where a tenant returned lifted it, and every other worker
+        takes that lift from its report). Tenants backlogged elsewhere are not lifted on arrival here."""
         for tid in set(inputs.increments) | set(inputs.lifts):
             units, lift = inputs.increments.get(tid, 0.0), inputs.lifts.get(tid, 0.0)
             acct = self.accounts.get(tid)
@@ -235,20 +234,6 @@ class VTCPolicy(SchedulingPolicy):
                 row[0] += units / max(row[1], 1e-9) + extra
                 row[3] += extra
         self._elsewhere = set(inputs.backlogged)
-        for tid in sorted(self._elsewhere - before):
-            acct = self.accounts.get(tid)
-            if acct is not None:
-                floor = self.pool_lift_floor(tid, acct.tier)
-                if acct.virtual_counter < floor:
-                    acct.lift += floor - acct.virtual_counter
-                    acct.virtual_counter = floor
-                    self._notify(acct)
-            else:
-                row = self._shadow.setdefault(tid, [0.0, inputs.weights.get(tid, 1.0), inputs.tiers.get(tid, TIERS[0]), 0.0])
-                floor = self.pool_lift_floor(tid, row[2])
-                if row[0] < floor:
-                    row[3] += floor - row[0]
-                    row[0] = floor
 
     def _notify(self, acct: TenantAccount) -> None:
         """A counter changed outside a charge (pool input)."""

@@ -16,9 +16,13 @@ OSDI 2024, Algorithm 2) over *pool-wide* counters.
   (its own charges move `v` as before). A tenant unknown locally keeps a shadow counter (so it
   starts where the pool has it when its first request arrives here).
 - A tenant is *pool-backlogged* while it is backlogged on some worker. VTC's lift (no credit for
-  idling) applies when a tenant becomes pool-backlogged: it is lifted to the smallest counter among
-  the other pool-backlogged tenants of its tier (`VTCPolicy.pool_lift_floor`). A request arriving
-  here for a tenant backlogged elsewhere is not lifted: the tenant never left the pool's queue.
+  idling) applies when a tenant becomes pool-backlogged: the worker its request arrives at lifts it
+  to the smallest counter among the other pool-backlogged tenants of its tier
+  (`VTCPolicy.pool_lift_floor`); a request arriving for a tenant backlogged elsewhere is not lifted
+  (it never left the pool's queue). The lifted part of a counter is published with it and every
+  worker takes the largest it sees: counters are a sum of per-worker service (each worker adds its
+  own, a grow-only sum) plus a lift (a grow-only maximum), so the workers' copies converge to the
+  same values, whatever order the reports arrive in.
 
 So two tenants backlogged together anywhere in the pool see the same counters on every worker (up
 to the staleness), and a worker serving both gives the one behind pool-wide the next slice, even
