@@ -5,6 +5,7 @@
     fairshare bench cache [...]     (prefix-cache hit rates by isolation mode; worker/cache/bench.py)
     fairshare bench sidechannel [...]  (CI2 TTFT timing side channel; loadtests/sidechannel.py)
     fairshare bench recovery [...]  (`fairshare up` healing a kill -9; fairshare/recovery_bench.py)
+    fairshare bench grammar [...]   (cost of grammar-constrained decoding; worker/engine/grammar_bench.py)
 
 `engine`: decode throughput of the reference engine (continuous batching, paged KV) at each batch
 size, and in the same run transformers' `generate` at static batch 8 on the same weights; prints
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare bench`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery} [options]")
+        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|grammar} [options]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -111,5 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         from fairshare.recovery_bench import main as recovery_bench
 
         return recovery_bench(rest)
+    if what == "grammar":
+        from worker.engine.grammar_bench import main as grammar_bench
+
+        return grammar_bench(rest)
     print(f"fairshare bench: unknown benchmark {what!r}", file=sys.stderr)
     return 2
