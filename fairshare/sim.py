@@ -16,9 +16,11 @@ from the real runner on this machine (needs torch; `--device cuda` on a GPU) and
 (`worker/sim/pool.py`) and also prints the pool-wide prefix hit rate, the p99 queue time and what
 each worker got. `--load X` sizes the rates to X of the pool's capacity. `report` runs
 every workload under every policy side by side, writes the markdown report and PNG plots, and
-prints the benchmark figures, then the pool section (prefix hit rates on 4 and 8 workers, fairness
-under a skewed overload; worker/sim/pool_report.py); the memory-isolation workloads (`memory-flood`) are run with KV quotas
-off and on and written as their own sections (not in the fairness summary). Every command that
+prints the benchmark figures; the priority-tier workloads (`tiers`, `tiers-heavy`) are run alone,
+with tiers, with tiers and an iteration token target, tier-blind and under FCFS, and the
+memory-isolation workloads (`memory-flood`) with KV quotas off and on, each written as their own
+sections (not in the fairness summary); then the pool section (prefix hit rates on 4 and 8 workers,
+fairness under a skewed overload; worker/sim/pool_report.py). Every command that
 reports prints the cost function and weights.
 `run` and `report` import no torch.
 """
@@ -63,10 +65,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_list(argv: list[str]) -> int:
-    from loadtests.workloads import all_workloads, pool, quota_workloads, shared_prefix
+    from loadtests.workloads import all_workloads, pool, quota_workloads, shared_prefix, tier_workloads
 
     prompted = list(shared_prefix.WORKLOADS.values()) + list(pool.WORKLOADS.values())
-    for w in all_workloads() + quota_workloads() + [p.base for p in prompted]:
+    for w in all_workloads() + tier_workloads() + quota_workloads() + [p.base for p in prompted]:
         weights = ", ".join(f"{t.tenant_id}={t.weight:g}" for t in w.tenants[:8]) + (", ..." if len(w.tenants) > 8 else "")
         print(f"{w.name:<20} {w.description}  [weights {weights}; {w.source}]")
     return 0
@@ -196,26 +198,30 @@ def cmd_report(argv: list[str]) -> int:
                    help="leave out the pool section (worker/sim/pool_report.py)")
     _add_common(p)
     args = p.parse_args(argv)
-    from loadtests.workloads import all_workloads, get_workload, quota_workloads
+    from loadtests.workloads import all_workloads, get_workload, quota_workloads, tier_workloads
     from worker.sim.quota_report import table
     from worker.sim.report import benchmark_lines, run_benchmark, write_report
 
     quota_names = {w.name for w in quota_workloads()}
+    tier_names = {w.name for w in tier_workloads()}
     if args.workloads == "all":
-        workloads, quota = all_workloads(), quota_workloads()
+        workloads, quota, tiers = all_workloads(), quota_workloads(), tier_workloads()
     else:
         try:
             chosen = [get_workload(n.strip()) for n in args.workloads.split(",") if n.strip()]
         except KeyError as exc:
             p.error(exc.args[0])
-        workloads = [w for w in chosen if w.name not in quota_names]
+        workloads = [w for w in chosen if w.name not in quota_names | tier_names]
         quota = [w for w in chosen if w.name in quota_names]
+        tiers = [w for w in chosen if w.name in tier_names]
     if not workloads:
-        p.error("--workloads needs at least one fairness workload (memory-flood only adds its KV-quota section)")
+        p.error("--workloads needs at least one fairness workload (memory-flood and the tiers workloads only add "
+                "their own sections)")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     tm = _profile(args.profile)
     bench = run_benchmark(workloads, policies, tm, seed=args.seed, rate_scale=args.rate_scale,
-                          progress=lambda s: print(s, flush=True), quota_workloads=quota, **_engine_overrides(args))
+                          progress=lambda s: print(s, flush=True), quota_workloads=quota, tier_workloads=tiers,
+                          **_engine_overrides(args))
     if args.pool:
         from worker.sim.pool_report import run_pool_benchmark
 

@@ -36,17 +36,22 @@ def start_worker(*extra: str, model: str = "random-tiny", policy: str = "vtc", p
     return proc, f"127.0.0.1:{port}"
 
 
+def stop_worker(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM a worker started by `start_worker`, SIGKILL it if it has not exited after timeout_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @pytest.fixture(scope="session")
 def worker_addr(tmp_path_factory):
     """Address of a reference worker serving the seeded random tiny Llama (VTC policy)."""
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     proc, addr = start_worker(log_path=log)
     yield addr
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_worker(proc)
 
 
 # -- gateway fixtures (gateway/ tests) ---------------------------------------------------------------

@@ -99,6 +99,11 @@ def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
         entry = msg.logprobs.add(token_id=tok, logprob=lp)
         for alt, alt_lp in top:
             entry.top.add(token_id=alt, logprob=alt_lp)
+    if out.queued_iterations is not None:
+        msg.timings.queued_iterations = out.queued_iterations
+    if out.first_token_iterations is not None:
+        msg.timings.first_token_iterations = out.first_token_iterations
+    msg.timings.iteration = out.iteration
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.prompt_tokens = out.prompt_tokens
@@ -249,9 +254,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_blocks_total=snap["kv_blocks_total"], kv_block_size=snap["kv_block_size"], policy=snap["policy"],
             iterations=snap["iterations"], draining=self.draining, inflight_tokens=snap["inflight_tokens"],
             kv_quota_enabled=snap["kv_quota"], reclaim_preemptions=snap["reclaim_preemptions"],
+            tier_scheduling=snap.get("tier_scheduling", False),
+            tier_preemptions=snap.get("preemptions_by_reason", {}).get("tier", 0),
+            returning_preemptions=snap.get("returning_preemptions", 0),
+            iteration_token_target=snap.get("iteration_token_target", 0),
             worker_id=self.worker_id, pool_counters=self.pool is not None, pool_workers=snap.get("pool_workers", 0),
             pool_board_age_s=self.pool.board_age_s() if self.pool is not None else 0.0,
         )
+        for tier, t in snap.get("tiers", {}).items():
+            load.tiers.add(tier=TIER_ENUMS.get(tier, 0), charged_service=t["service"], service_share=t["service_share"],
+                           min_share=t["min_share"], deficit=t["deficit"], backlogged=t["backlogged"],
+                           blocked_iterations=t["blocked_iterations"], waiting=t["waiting"], running=t["running"],
+                           preemptions=t["preemptions"])
         for t in snap["tenants"]:
             load.tenants.add(
                 tenant_id=t["tenant_id"], weight=t["weight"], tier=TIER_ENUMS.get(t["tier"], 0),
@@ -261,7 +275,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 preemptions=t["preemptions"], quota_waits=t.get("quota_waits", 0),
                 # KV quotas: 0 / false when the worker runs without them (Load.kv_quota_enabled)
                 kv_soft_quota_blocks=t.get("kv_soft_quota_blocks", 0), kv_hard_cap_blocks=t.get("kv_hard_cap_blocks", 0),
-                kv_over_quota=t.get("kv_over_quota", False), pool_service=t.get("pool_service", 0.0),
+                kv_over_quota=t.get("kv_over_quota", False), backlogged=t.get("backlogged", False),
+                pool_service=t.get("pool_service", 0.0),
             )
         _fill_cache_load(load, snap)
         return load

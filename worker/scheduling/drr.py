@@ -13,7 +13,7 @@ Adapted to iteration-level LLM scheduling:
 - a visit adds `quantum · weight` service units (weighted DRR); a tenant keeps the pointer while
   its deficit is positive, then the pointer moves on;
 - a tenant that is backlogged but cannot be served at the moment (its head does not fit memory or
-  no running slot is free) still takes part in the rounds and banks its quanta, as a backlogged DRR
+  no running slot is free) still takes part in the rounds of its tier and banks its quanta, as a backlogged DRR
   flow whose head packet exceeds its deficit does, so it catches up once its head fits (as a VTC
   counter that did not move while it waited);
 - when a tenant goes idle its positive deficit is dropped (no credit for idling), its debt kept;
@@ -86,9 +86,11 @@ class DRRPolicy(SchedulingPolicy):
         unknown = cands.difference(self.deficit)
         if unknown:
             raise KeyError(f"unknown tenants {sorted(unknown)}")
-        # Backlogged tenants that cannot be served right now (memory, running slots) still take
-        # part in the rounds, as DRR flows with queued packets do.
-        active = cands | {t for t, a in self.accounts.items() if a.backlogged}
+        # Backlogged tenants of the candidates' tier(s) that cannot be served right now (memory,
+        # running slots) still take part in the rounds, as DRR flows with queued packets do; tenants
+        # of other tiers do not (tiers are ordered by worker.scheduling.tiers, not by DRR rounds).
+        tiers = {self.accounts[t].tier for t in cands}
+        active = cands | {t for t, a in self.accounts.items() if a.backlogged and a.tier in tiers}
         ring = self._ring
         self._ptr %= len(ring)
         while True:
