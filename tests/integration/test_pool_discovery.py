@@ -10,11 +10,8 @@ default, plus one health check).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -23,7 +20,7 @@ import pytest
 from fairshare.procs import free_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
-from tests.conftest import start_worker
+from tests.conftest import start_worker, stop_worker
 from tests.reliability.conftest import MODEL, GatewayProcess, get_load, tenant_load, wait_until
 
 TENANT = "pool-t"
@@ -44,21 +41,11 @@ def finished_on(addr: str) -> int:
     return int(t.finished) if t is not None else 0
 
 
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
 @pytest.fixture
 def worker_a(tmp_path):
     proc, addr = start_worker("--threads", "1", log_path=tmp_path / "worker-a.log")
     yield addr
-    stop(proc)
+    stop_worker(proc)
 
 
 def test_gateway_with_a_dns_name_routes_to_its_addresses(tmp_path, worker_a, redis_url):
@@ -175,6 +162,6 @@ def test_added_worker_is_used_and_a_draining_worker_leaves_routing_before_it_sto
     finally:
         if load is not None:
             load.stop()
-        if b_proc is not None:
-            stop(b_proc)
+        if b_proc is not None and b_proc.poll() is None:
+            stop_worker(b_proc)
         gw.stop()
