@@ -45,7 +45,7 @@ def session_ids(gw: InProcessGateway) -> dict[str, str]:
 
 def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
     gw = InProcessGateway(tmp_path / "gw", [{"id": "wk", "limits": {"tpm": TPM, "max_inflight_tokens": 20000}}],
-                          workers.addrs, redis_url, health_interval_s=30.0).wait_ready()
+                          workers.addrs, redis_url, health_interval_s=30.0, routing="least-loaded").wait_ready()
     http = httpx.Client(timeout=60)
     try:
         # two streams and two plain requests, spread over both workers by least-loaded routing
@@ -130,7 +130,7 @@ def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
 
 def test_worker_sigterm_drains(workers, redis_url, tmp_path):
     gw = InProcessGateway(tmp_path / "gw", [{"id": "wd", "limits": {"tpm": 10**6}}], workers.addrs, redis_url,
-                          health_interval_s=0.3).wait_ready()
+                          health_interval_s=0.3, routing="least-loaded").wait_ready()  # spread over both workers
     http = httpx.Client(timeout=60)
     try:
         # a long stream lands on one worker; a short one and another long one on the other
