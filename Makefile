@@ -25,9 +25,13 @@ up: $(STAMP)
 
 # Main suite in .venv; the SGLang plugin's tests run against real SGLang 0.5.23 classes in a
 # separate CPU-only env (building it fails loudly, so those tests never skip silently).
+# Both suites always run and both verdicts are printed; the exit status fails if either failed.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --ignore=tests/sglang $(PYTEST_ARGS)
-	$(MAKE) test-sglang
+	@main=0; sglang=0; \
+	$(BIN)/python -m pytest -q -ra --ignore=tests/sglang $(PYTEST_ARGS) || main=$$?; \
+	$(MAKE) --no-print-directory test-sglang || sglang=$$?; \
+	echo "make test: main suite exit $$main, SGLang suite exit $$sglang"; \
+	test $$main -eq 0 && test $$sglang -eq 0
 
 sglang-env:
 	PY=$(PY) bash scripts/ci-sglang-env.sh $(SGLANG_VENV)

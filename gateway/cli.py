@@ -8,7 +8,7 @@ Gateway
                       [--tenants FILE]                  # tenants YAML (see fairshare/config.py)
                       [--workers ENTRY[,ENTRY]]         # gRPC workers: host:port, dns:///name:port (all
                                                         # its A/AAAA records, re-resolved), file:///path
-                      [--discovery-interval-s 5] [--health-failures 3]
+                      [--discovery-interval-s 5] [--unhealthy-after 3]
                       [--routing fair|prefix|least-loaded] [--route-prefix-tokens 32]
                       [--route-load-factor 1.25] [--route-slack-tokens 4096] [--route-spill-units 1024]
                       [--redis-url redis://127.0.0.1:6379/0] [--redis-cluster]
@@ -107,7 +107,7 @@ def _settings_from_args(args: argparse.Namespace):
                  "lease_ttl_s", "log_level", "otel_exporter", "redis_outage_policy", "gateway_replicas",
                  "redis_timeout_s", "drain_timeout_s", "request_timeout_s", "max_body_bytes", "metrics_port",
                  "metrics_host", "metrics_token_file", "public_metrics", "default_max_tokens", "tool_call_parser",
-                 "discovery_interval_s", "health_failures", "routing", "route_prefix_tokens", "route_load_factor",
+                 "discovery_interval_s", "unhealthy_after", "routing", "route_prefix_tokens", "route_load_factor",
                  "route_slack_tokens", "route_spill_units", "replica_ttl_s"):
         v = getattr(args, name, None)
         if v is not None:
@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "host:port per line; re-read)")
     p.add_argument("--discovery-interval-s", dest="discovery_interval_s", type=float,
                    help="re-resolve dns:/file: worker entries this often (default 5 s)")
-    p.add_argument("--health-failures", dest="health_failures", type=int,
-                   help="failed health checks in a row before a SERVING worker leaves routing (default 3; "
-                        "NOT_SERVING and draining take it out at once)")
+    p.add_argument("--unhealthy-after", dest="unhealthy_after", type=int,
+                   help="late health polls in a row before a SERVING worker leaves routing (default 3; "
+                        "NOT_SERVING, draining and a refused connection take it out at once)")
     p.add_argument("--routing", choices=["fair", "prefix", "least-loaded"],
                    help="fair (default: prefix affinity, spilling tenants whose pool-wide share lags), prefix "
                         "(tenant namespace + prompt head affinity with a load bound) or least-loaded")

@@ -61,7 +61,7 @@ class GatewaySettings(BaseSettings):
     # gateway/discovery.py
     workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     discovery_interval_s: float = Field(default=5.0, gt=0)  # re-resolve dns/file entries this often
-    health_failures: int = Field(default=3, ge=1)  # failed checks in a row before a SERVING worker leaves
+    unhealthy_after: int = Field(default=3, ge=1)  # late health polls in a row before a SERVING worker leaves
     # routing (gateway/routing_policy.py): least-loaded, prefix (namespace + prompt head affinity with a
     # load bound) or fair (prefix + spill of tenants whose pool-wide share lags)
     routing: Literal["least-loaded", "prefix", "fair"] = "fair"

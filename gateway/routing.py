@@ -7,10 +7,10 @@
   the end, then its channel closes). Every worker is polled (health every ``health_interval_s``
   seconds, ``GetModelInfo`` once per (re)connection, ``GetLoad`` for the worker's in-flight tokens
   and drain state) and watched (the health ``Watch`` stream, so a worker that starts draining, i.e.
-  reports NOT_SERVING, leaves routing at once). A SERVING worker leaves routing only after
-  ``health_failures`` consecutive failed checks (default 3: one slow answer under load is not an
-  outage), at once when it answers NOT_SERVING or draining, or when a call to it finds it
-  unreachable. Workers are grouped by model (a worker answers to every name in
+  reports NOT_SERVING, leaves routing at once). A SERVING worker that only answers late leaves routing
+  after ``unhealthy_after`` late polls in a row (default 3: one slow answer under load is not an
+  outage), at once when it answers NOT_SERVING or draining, refuses the connection, or a call to it
+  fails. Workers are grouped by model (a worker answers to every name in
   ``ModelInfo.served_model_names``; the names of one model share one entry); every worker of a
   model must report the same tokenizer (sha256 of tokenizer json + chat template, or the gateway's
   own ``--tokenizer``).
@@ -91,7 +91,7 @@ class ModelEntry:
 class WorkerClient:
     """Connection and state of one worker (``host:port``). Token counts are prompt + max_tokens.
 
-    failures: consecutive failed health checks. retired: left the worker list (discovery); gets no
+    slow_probes: consecutive late health polls. retired: left the worker list (discovery); gets no
     new requests and is closed once this gateway has nothing in flight on it.
     """
 
@@ -104,10 +104,10 @@ class WorkerClient:
     remote_inflight: int = 0
     local_at_poll: int = 0
     last_error: str = ""
+    slow_probes: int = 0  # consecutive polls of a healthy worker that timed out
     last_model: str | None = None  # the model it served before it went down (info is cleared then)
     last_names: tuple[str, ...] = ()  # every name it served that model under
     down_since: float | None = None  # time.monotonic() when it stopped being usable; None while usable
-    failures: int = 0
     retired: bool = False
     worker_id: str = ""  # the worker's own identity (ModelInfo.worker_id), stable across restarts
     stub: pb_grpc.WorkerStub | None = field(default=None, repr=False)
@@ -163,25 +163,30 @@ class WorkerPool:
 
     addrs: `--workers` entries (``host:port``, ``dns:///name:port``, ``file:///path``; see
     `gateway.discovery`). discovery_interval_s: how often dns/file entries are re-resolved.
-    health_failures: consecutive failed checks before a SERVING worker leaves routing (>= 1).
     routing: a `gateway.routing_policy.RoutingPolicy` or its name (default least-loaded).
-    Raises ValueError for a malformed entry.
+
+    A worker's health is its answer to the poll: NOT_SERVING, draining, or a refused connection
+    takes it out of routing at once; a poll that only times out (a busy worker answering late) does
+    so after `unhealthy_after` (>= 1) such polls in a row, so that one late answer on a loaded machine
+    does not turn every request into a 503 (the unhealthy threshold of load balancers and Kubernetes
+    probes). A call that fails marks its worker unhealthy at once either way (`start_generation`).
+    Raises ValueError for a malformed entry or `unhealthy_after` < 1.
     """
 
     def __init__(self, addrs: list[str], *, health_interval_s: float = 1.0, health_timeout_s: float = 1.0,
                  local_tokenizers: dict[str, TokenizerFiles] | None = None,
                  local_tokenizer: TokenizerFiles | None = None, metrics=None,
-                 discovery_interval_s: float = DEFAULT_INTERVAL_S, health_failures: int = 3,
+                 discovery_interval_s: float = DEFAULT_INTERVAL_S, unhealthy_after: int = 3,
                  routing: RoutingPolicy | str = "least-loaded") -> None:
-        if health_failures < 1:
-            raise ValueError("health_failures must be >= 1")
+        if unhealthy_after < 1:
+            raise ValueError("unhealthy_after must be >= 1")
         self.sources = parse_sources(addrs)
         self.discovery = Discovery(self.sources, self._set_addresses, discovery_interval_s)
         # static entries are known now (no I/O): the pool lists them before it starts
         self.workers = [WorkerClient(s.target) for s in self.sources if s.kind == "static"]
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
-        self.health_failures = int(health_failures)
+        self.unhealthy_after = int(unhealthy_after)
         self.routing = make_routing(routing) if isinstance(routing, str) else routing
         self.models: dict[str, ModelEntry] = {}
         self._local = local_tokenizer
@@ -238,19 +243,23 @@ class WorkerPool:
             log.warning("worker %s is not serving (%s)", w.addr, reason)
         w.last_error = reason
         w.healthy = False
+        w.slow_probes = 0
         w.info = None  # re-read model info after it comes back (it may have restarted)
         w.agrees = False
         self._gauge(w)
 
-    def _missed(self, w: WorkerClient, reason: str) -> None:
-        """A failed check: a SERVING worker stays in routing until `health_failures` in a row."""
-        w.failures += 1
-        w.last_error = reason
-        if w.healthy and w.failures < self.health_failures:
-            log.info("worker %s missed a health check (%d of %d before it leaves routing): %s", w.addr,
-                     w.failures, self.health_failures, reason)
-            return
-        self._set_down(w, f"{reason} ({w.failures} failed check(s) in a row)" if w.failures > 1 else reason)
+    def _failed(self, w: WorkerClient, e: grpc.aio.AioRpcError, what: str) -> None:
+        """A poll that failed: a late answer (DEADLINE_EXCEEDED) of a healthy worker is tolerated
+        until `unhealthy_after` in a row; anything else (refused, reset) takes it out at once."""
+        reason = f"{what}{e.code().name} {e.details()}"
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.healthy:
+            w.slow_probes += 1
+            if w.slow_probes < self.unhealthy_after:
+                log.info("worker %s answered its health poll late (%d in a row); still routing to it", w.addr,
+                         w.slow_probes)
+                return
+            reason = f"{reason} ({w.slow_probes} late poll(s) in a row)"
+        self._set_down(w, reason)
 
     async def _check(self, w: WorkerClient) -> None:
         w.connect()
@@ -258,10 +267,9 @@ class WorkerPool:
             resp = await w.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
                                         timeout=self.health_timeout_s)
         except grpc.aio.AioRpcError as e:
-            self._missed(w, f"health: {e.code().name} {e.details()}")
+            self._failed(w, e, "health: ")
             return
         if resp.status != health_pb2.HealthCheckResponse.SERVING:  # draining or not ready: out at once
-            w.failures = 0
             self._set_down(w, "NOT_SERVING")
             return
         try:
@@ -270,11 +278,11 @@ class WorkerPool:
                 await self._adopt(w, info)
             load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=self.health_timeout_s)
         except grpc.aio.AioRpcError as e:
-            self._missed(w, f"{e.code().name} {e.details()}")
+            self._failed(w, e, "")
             return
         w.remote_inflight = int(load.inflight_tokens)
         w.local_at_poll = w.local_inflight
-        w.failures = 0
+        w.slow_probes = 0
         if load.draining:
             self._set_down(w, "draining")
             return

@@ -1,4 +1,9 @@
-"""Shared fixtures: a real redis-server and a real gRPC worker on loopback ports."""
+"""Shared fixtures: a real redis-server and a real gRPC worker on loopback ports.
+
+Also the suite-wide rules that keep a verdict independent of the machine: Hypothesis never times an
+example (no deadline, no too-slow health check), and in CI a skip whose reason does not name CUDA or
+a GPU is a failure (tests/support/skip_rule.py; tests/unit/test_skip_rule.py checks the files).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,38 @@ from pathlib import Path
 import pytest
 
 from fairshare.procs import free_port, start_redis, wait_for_port
+from tests.support.skip_rule import skip_allowed_in_ci
+from tests.support.skips import in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
+
+try:  # (the SGLang test environment has no Hypothesis)
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("fairshare", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.load_profile("fairshare")
+except ImportError:
+    pass
+
+
+def _fail_skip_in_ci(report) -> None:
+    if in_ci() and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if not skip_allowed_in_ci(reason):
+            report.outcome = "failed"
+            report.longrepr = f"skipped in CI, where only tests that need CUDA may skip: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_skip_in_ci(outcome.get_result())
 
 
 @pytest.fixture(scope="session")
@@ -24,37 +59,74 @@ def redis_url(tmp_path_factory):
     proc.wait(10)
 
 
+TEST_WORKER = [sys.executable, "-m", "tests.support.worker_main"]  # `fairshare worker` + test control
+
+
+def worker_command(*extra: str, model: str = "random-tiny", policy: str = "vtc", port: int) -> list[str]:
+    """The test worker's command line (tests/support/worker_main.py: the flags of `fairshare worker`)."""
+    return [*TEST_WORKER, "--host", "127.0.0.1", "--port", str(port), "--model", model, "--policy", policy, *extra]
+
+
 def start_worker(*extra: str, model: str = "random-tiny", policy: str = "vtc", port: int | None = None,
                  log_path: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """Start `fairshare worker` as a subprocess; return (process, "127.0.0.1:port") once it listens."""
+    """Start the test worker (the real `fairshare worker` plus its test-control service) as a
+    subprocess; return (process, "127.0.0.1:port") once it listens."""
     port = port or free_port()
-    cmd = [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
-           "--model", model, "--policy", policy, *extra]
     out = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    proc = subprocess.Popen(worker_command(*extra, model=model, policy=policy, port=port), cwd=ROOT, stdout=out,
+                            stderr=subprocess.STDOUT, env=os.environ.copy())
     wait_for_port("127.0.0.1", port, 300.0, proc)
     return proc, f"127.0.0.1:{port}"
 
 
 def stop_worker(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """SIGTERM a worker started by `start_worker`, SIGKILL it if it has not exited after timeout_s."""
+    """SIGTERM a worker started by `start_worker`; SIGKILL it if it has not exited after timeout_s."""
     proc.terminate()
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait(15)
 
 
 @pytest.fixture(scope="session")
 def worker_addr(tmp_path_factory):
-    """Address of a reference worker serving the seeded random tiny Llama (VTC policy)."""
+    """Address of the session's test worker serving the seeded random tiny Llama (VTC policy)."""
     log = tmp_path_factory.mktemp("worker") / "worker.log"
     proc, addr = start_worker(log_path=log)
     yield addr
     stop_worker(proc)
 
 
+@pytest.fixture
+def control(worker_addr):
+    """The session worker's test control (tests/support/control_client.py); reset before and after
+    the test, so a hold or a fault never leaks into the next one."""
+    from tests.support.control_client import WorkerControl
+
+    c = WorkerControl(worker_addr)
+    c.reset()
+    yield c
+    c.reset()
+    c.close()
+
+
 # -- gateway fixtures (gateway/ tests) ---------------------------------------------------------------
+
+def wait_ready(base_url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the gateway at `base_url` answers /readyz with 200 and has polled every worker it
+    was given to a healthy answer (whether their tokenizers agree is the tests' business), so that no
+    test depends on how soon a first poll came back (AssertionError after `timeout_s`)."""
+    import json
+    import urllib.request
+
+    from tests.support.waits import wait_for
+
+    def ready() -> bool:
+        with urllib.request.urlopen(base_url + "/readyz", timeout=5) as r:
+            return r.status == 200 and all(w["healthy"] for w in json.loads(r.read())["workers"])
+
+    wait_for(ready, f"gateway {base_url} ready, every worker healthy", timeout_s, interval_s=0.05, ignore=(OSError,))
 
 GATEWAY_TEST_SECRET = "gateway-test-secret"
 
@@ -98,6 +170,11 @@ class GatewayHandle:
         vals = self.redis.hmget(h, live) if live else []
         return {m.decode(): int(float(v)) for m, v in zip(live, vals) if v is not None}
 
+    def lease_expiry_ms(self, tenant_id: str) -> dict[str, float]:
+        """Every stored lease of a tenant, expired or not: lease id -> expiry (Redis time, ms)."""
+        _, _, z, _ = self._keys_of(tenant_id)
+        return {m.decode(): score for m, score in self.redis.zrange(z, 0, -1, withscores=True)}
+
     def bucket(self, tenant_id: str, which: str = "tpm") -> tuple[float, float] | None:
         """Stored (tokens, timestamp ms) of a tenant's ``rpm``/``tpm`` bucket; None when absent (full)."""
         key = self._keys_of(tenant_id)[0 if which == "rpm" else 1]
@@ -126,7 +203,7 @@ def gateway_factory(redis_url, worker_addr, tmp_path_factory):
 
     started = []
 
-    def start(tenants: list[dict], workers: list[str] | None = None, wait_ready_s: float = 60.0, **overrides):
+    def start(tenants: list[dict], workers: list[str] | None = None, wait_ready_s: float = 120.0, **overrides):
         d = tmp_path_factory.mktemp("gateway")
         tf = d / "tenants.yaml"
         tf.write_text(yaml.safe_dump({"tenants": tenants}))
@@ -139,20 +216,7 @@ def gateway_factory(redis_url, worker_addr, tmp_path_factory):
         started.append(server)
         handle = GatewayHandle(server, settings, keys, redis_url)
         if wait_ready_s:
-            import time
-            import urllib.request
-
-            deadline = time.monotonic() + wait_ready_s
-            while True:
-                try:
-                    with urllib.request.urlopen(handle.base_url + "/readyz", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError("gateway not ready")
-                time.sleep(0.05)
+            wait_ready(handle.base_url, wait_ready_s)
         return handle
 
     yield start

@@ -259,8 +259,12 @@ def kv_quota_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> d
 # ---- end of KV quota flags ----------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `fairshare worker`; returns the exit code."""
+def main(argv: list[str] | None = None, *, configure=None) -> int:
+    """Entry point of `fairshare worker`; returns the exit code.
+
+    configure: passed to `worker.server.serve` (``configure(server, engine, servicer)``, the reference
+    engine only); None for `fairshare worker`. tests/support/worker_main.py runs this same entry point
+    with its test-control service."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--engine", default="reference")
     if pre.parse_known_args(argv)[0].engine == "sglang":
@@ -313,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(engine, names or [model.name], args.host, args.port, args.drain_timeout,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           metrics_max_tenants=args.metrics_max_tenants, tracer_provider=tracer_provider,
-                          worker_id=worker_id, pool=pool))
+                          worker_id=worker_id, pool=pool, configure=configure))
     except OSError as exc:
         print(f"fairshare worker: {exc}", file=sys.stderr)
         return 1

@@ -20,11 +20,8 @@ not compile is refused with INVALID_ARGUMENT and trailing metadata ``fairshare-i
 the gateway answers a 400 naming the request field. Logprobs travel as one ``TokenLogprob`` per token.
 Every name in ``served_model_names`` (``--served-model-name``) is reported by ``GetModelInfo``.
 
-Fault injection, for tests only: with ``FAIRSHARE_WORKER_TEST_FAULTS=1`` in the worker's environment
-(never set it in a deployment), a request whose ``cache_salt`` is ``fault:reject`` is refused with
-INVALID_ARGUMENT (as the engine refuses an invalid request, after the gateway admitted it), and one
-whose ``cache_salt`` is ``fault:error-after:N`` fails with INTERNAL after N output messages (an
-upstream error in the middle of a stream). tests/reliability uses them; docs/reliability.md.
+No request field triggers anything but generation: the tests' fault injection and engine hold live
+in a test-only launcher (tests/support/worker_main.py) that plugs in through `serve(configure=...)`.
 
 Observability (docs/observability.md): each call is a ``worker.generate`` span continuing the trace
 context the gateway put in the gRPC metadata, with queue / prefill / decode children
@@ -38,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import time
 import uuid
 
@@ -112,22 +108,6 @@ def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
     return msg
 
 
-TEST_FAULTS_ENV = "FAIRSHARE_WORKER_TEST_FAULTS"
-
-
-def _test_fault(request) -> tuple[str, int] | None:
-    """("reject", 0) or ("error-after", N) when test faults are enabled and the request asks for one."""
-    salt = request.cache_salt
-    if not salt.startswith("fault:") or os.environ.get(TEST_FAULTS_ENV) != "1":
-        return None
-    kind, _, n = salt[len("fault:"):].partition(":")
-    if kind == "reject":
-        return "reject", 0
-    if kind == "error-after":
-        return "error-after", int(n or 0)
-    return None
-
-
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Implements the Worker service on top of an `Engine` (whose loop thread is started here).
 
@@ -178,11 +158,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rt = RequestTrace(self.tracer, context.invocation_metadata(), request_id, tenant.id,
                           prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
                           tier=tier)
-        fault = _test_fault(request)
-        if fault is not None and fault[0] == "reject":
-            rt.end("rejected")
-            self.metrics.observe_finish(tenant.id, "rejected")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "injected test fault: request rejected")
         compiled = None
         grammar = grammar_of(request.sampling)
         if grammar is not None:  # compiled on a thread (the first one builds the vocabulary tables)
@@ -209,7 +184,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         end_ns = None
         last_token_at: float | None = None
         final: RequestOutput | None = None
-        sent = 0
         try:
             while True:
                 out, at, at_ns = await queue.get()
@@ -224,11 +198,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finished = True
                     outcome, end_ns, final = "error", at_ns, out
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
-                if fault is not None and fault[0] == "error-after" and sent >= fault[1]:
-                    outcome = "error"
-                    await context.abort(grpc.StatusCode.INTERNAL, "injected test fault: error mid-stream")
                 yield _to_proto(out)
-                sent += 1
                 if out.finish_reason is not None:
                     finished = True
                     outcome, end_ns, final = _FINISH_NAMES[out.finish_reason], at_ns, out
@@ -297,7 +267,8 @@ def _fill_cache_load(load: worker_pb2.Load, snap: dict) -> None:
 
 async def serve(engine: Engine, model_name: str | list[str], host: str, port: int, drain_timeout_s: float = 30.0,
                 ready_message: bool = True, *, metrics_port: int = 0, metrics_host: str | None = None,
-                metrics_max_tenants: int = 64, tracer_provider=None, worker_id: str = "", pool=None) -> None:
+                metrics_max_tenants: int = 64, tracer_provider=None, worker_id: str = "", pool=None,
+                configure=None) -> None:
     """Serve until SIGTERM/SIGINT, then drain (up to `drain_timeout_s` seconds) and stop.
 
     metrics_port: serve Prometheus ``/metrics`` over HTTP on metrics_host (default `host`):metrics_port
@@ -305,6 +276,11 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     tracer_provider: where spans go (default: the global provider); shut down (flushed) at the end.
     worker_id: this worker's identity (ModelInfo / Load). pool: a `worker.pool_service.PoolService`
     (started with the engine, stopped after the drain), or None.
+    configure: extension point for a program embedding the worker, ``configure(server, engine,
+    servicer)``, called once before the Worker service is registered and the engine and server start:
+    it may add services to the ``grpc.aio`` server and wrap the servicer's or the engine's methods
+    (the test launcher tests/support/worker_main.py adds its test-control service there). `fairshare
+    worker` passes none; nothing a request carries reaches it.
     Raises OSError when a port cannot be bound.
     """
     import signal
@@ -313,6 +289,8 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
                                       ("grpc.max_receive_message_length", 64 * 2**20)])
     servicer = WorkerServicer(engine, model_name, metrics=WorkerMetrics(engine, max_tenants=metrics_max_tenants),
                               tracer_provider=tracer_provider, worker_id=worker_id, pool=pool)
+    if configure is not None:
+        configure(server, engine, servicer)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

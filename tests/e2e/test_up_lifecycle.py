@@ -108,7 +108,7 @@ def test_taken_ports_are_refused_at_once_before_anything_starts(tmp_path, which)
     args = [x for kv in ports.items() for x in (kv[0], str(kv[1]))]
     try:
         res = subprocess.run([*fairshare_command(), "up", *args, "--state-dir", str(tmp_path / "state")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     finally:
         for b in blockers:
             b.close()
@@ -123,3 +123,4 @@ def test_taken_ports_are_refused_at_once_before_anything_starts(tmp_path, which)
     for flag, port in ports.items():
         if flag not in taken:
             assert not port_in_use("127.0.0.1", port), f"{flag} {port} was started"
+    assert not (tmp_path / "state" / "run.json").exists()  # refused before anything was started or recorded

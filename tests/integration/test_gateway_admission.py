@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 
 import pytest
@@ -14,6 +13,7 @@ from redis.crc import key_slot
 
 from fairshare.config import TenantConfig
 from gateway.admission import Admission, format_duration
+from tests.support.waits import wait_for
 
 
 def tenant(**limits) -> TenantConfig:
@@ -124,15 +124,23 @@ async def test_settle_refunds_unused_once(adm):
 
 
 async def test_leases_expire_unless_renewed(redis_url):
+    """`kept` is renewed until Redis's own clock is past the expiry stored for `lost`, which nobody
+    renews: the end is a state of Redis, not a sleep. The TTL (1 s) leaves a renewal that a loaded
+    machine delays by most of a second still in time (the app renews every TTL / 3: gateway.outage)."""
     r = Redis.from_url(redis_url)
-    a = Admission(r, lease_ttl_s=0.3)
+    a = Admission(r, lease_ttl_s=1.0)
     t = tenant(max_inflight_tokens=100)
     kept = await a.admit(t, 40)
     lost = await a.admit(t, 60)
     assert not (await a.admit(t, 1)).admitted
-    for _ in range(16):  # 0.8 s, renewing `kept` every 0.05 s (the app's renewer: gateway.outage)
+    zset = a.keys(t.id)[2]
+    lost_expiry = await r.zscore(zset, lost.lease.lease_id)
+    kept_expiry = await r.zscore(zset, kept.lease.lease_id)
+    while await redis_now_ms(a) <= lost_expiry:  # renewing `kept` all along
         assert await a.renew([kept.lease]) == 1
         await asyncio.sleep(0.05)
+    assert await a.renew([kept.lease]) == 1
+    assert await r.zscore(zset, kept.lease.lease_id) > kept_expiry  # renewal moved its expiry on
     assert list((await a.leases(t.id)).values()) == [40]  # the un-renewed one expired
     d = await a.admit(t, 60)  # the script drops expired leases before counting
     assert d.admitted and d.inflight_tokens == 100
@@ -226,11 +234,9 @@ def redis_cluster_url(tmp_path_factory):
         ports.append(port)
     subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports], "--cluster-replicas", "0",
                     "--cluster-yes"], check=True, capture_output=True, timeout=60)
-    deadline = time.monotonic() + 30
-    while b"cluster_state:ok" not in subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"],
-                                                    capture_output=True).stdout:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: b"cluster_state:ok" in subprocess.run([cli, "-p", str(ports[0]), "cluster", "info"],
+                                                            capture_output=True).stdout,
+             "Redis cluster state ok", interval_s=0.1)
     yield f"redis://127.0.0.1:{ports[0]}/0"
     for p in procs:
         p.terminate()
@@ -247,12 +253,16 @@ async def test_admission_on_redis_cluster(redis_cluster_url):
     slots = {key_slot(a.keys(t.id)[0].encode()) for t in tenants}
     assert len(slots) == 8
     for t in tenants:
-        d1, d2, d3 = [await a.admit(t, 300) for _ in range(3)]
+        d1 = await a.admit(t, 300)
+        tokens1, ts1 = await a.bucket(t.id, "tpm")  # 1000 - 300
+        d2, d3 = [await a.admit(t, 300) for _ in range(2)]
         assert d1.admitted and d2.admitted and not d3.admitted and d3.reason == "concurrent_requests"
         assert await a.renew([d1.lease, d2.lease]) == 2
         await a.settle(d1.lease, 100)
         await a.settle(d2.lease, 300)
         assert await a.leases(t.id) == {}
-        tokens, _ = await a.bucket(t.id, "tpm")
-        assert 600 - 1e-6 <= tokens <= 601  # 1000 - 600 reserved + 200 refunded (+ a little refill)
+        tokens, ts = await a.bucket(t.id, "tpm")
+        # 1000 - 600 reserved + 200 refunded, plus the refill between the two stored timestamps (Redis time)
+        assert tokens1 == pytest.approx(700, abs=1e-6)
+        assert tokens == pytest.approx(tokens1 - 300 + 200 + (ts - ts1) * 1000 / 60000, abs=1e-3)
     await rc.aclose()

@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from tests.support.waits import wait_for
+
 MODEL = "random-tiny"
 
 TENANTS = [
@@ -128,23 +130,28 @@ def test_health_ready_metrics(gw):
     assert "fairshare_gateway_worker_up" in m.text
 
 
-def test_lease_renewed_while_streaming_and_released_after(gateway_factory):
-    gw = gateway_factory([{"id": "renew", "limits": {"max_inflight_tokens": 5000}}], lease_ttl_s=0.6)
+def test_lease_renewed_while_streaming_and_released_after(gateway_factory, control):
+    """The worker stops relaying after the first message (test control: `stall_after`), so the stream
+    stays open however fast the machine: the lease must be renewed past several TTLs, then released
+    when the stream ends."""
+    ttl_s = 1.0
+    gw = gateway_factory([{"id": "renew", "limits": {"max_inflight_tokens": 5000}}], lease_ttl_s=ttl_s)
+    control.inject("stall_after", tenant="renew", after=1)
     c = gw.client("renew")
+    t_admit = gw.redis_time_ms()  # (before the admission)
     s = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=300,
                                   stream=True, extra_body={"ignore_eos": True})
     it = iter(s)
     next(it)
-    import time
-
-    t0 = time.monotonic()
-    seen = 0
-    for _ in it:
-        if time.monotonic() - t0 > 1.5 and not seen:  # well past the 0.6 s TTL: still held
-            assert len(gw.leases("renew")) == 1
-            seen = 1
-    assert seen, "stream ended too early to check renewal"
-    assert gw.leases("renew") == {}
+    (lease,) = gw.leases("renew")
+    # renewed at least once after it would have expired: its expiry now lies beyond 2.5 TTLs after admission
+    wait_for(lambda: gw.lease_expiry_ms("renew").get(lease, 0) > t_admit + 2.5 * ttl_s * 1000,
+             lambda: f"lease {lease} renewed past 2.5 TTLs after admission; expiries {gw.lease_expiry_ms('renew')}")
+    assert list(gw.leases("renew")) == [lease]  # live, the same one
+    control.release_stalled()
+    chunks = list(it)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    wait_for(lambda: gw.leases("renew") == {}, "lease released once the stream ended")
 
 
 def test_redis_down_is_503_not_a_traceback(gateway_factory):

@@ -19,6 +19,7 @@ from fairshare.config import TenantConfig
 from gateway.admission import Admission
 from gateway.outage import AdmissionControl
 from tests.reliability.conftest import wait_until
+from tests.support.waits import join_all
 
 MODEL = "random-tiny"
 TTL_S = 15.0
@@ -26,6 +27,18 @@ TTL_S = 15.0
 
 def tenant(**limits) -> TenantConfig:
     return TenantConfig(id="hint-" + uuid.uuid4().hex[:10], limits=limits)
+
+
+async def redis_s(adm: Admission) -> float:
+    """Redis's clock (the one the stored expected ends are on), seconds."""
+    sec, usec = await adm.redis.time()
+    return sec + usec / 1e6
+
+
+async def since(adm: Admission, t0: float) -> float:
+    """Seconds of Redis time since `t0` (+ a millisecond of rounding): how much a hint computed
+    meanwhile can have shrunk, however slow the machine."""
+    return await redis_s(adm) - t0 + 0.001
 
 
 @pytest.fixture
@@ -39,11 +52,13 @@ async def adm(redis_url):
 
 async def test_concurrency_hint_is_the_running_requests_expected_end(adm):
     t = tenant(max_concurrent_requests=1)
+    t0 = await redis_s(adm)
     running = await adm.admit(t, 10, expected_s=2.0)
     assert running.admitted
     d = await adm.admit(t, 10)
     assert not d.admitted and d.reason == "concurrent_requests"
-    assert 1.9 <= d.retry_after_s <= 2.0  # the running request is expected to end in 2 s, not in the TTL
+    # the running request is expected to end in 2 s (less the time since its admission), not in the TTL
+    assert 2.0 - await since(adm, t0) <= d.retry_after_s <= 2.0
     # a fresher estimate from the gateway that runs it (it has 0.5 s left) wins over the stored one
     running.lease.remaining_s = lambda: 0.5
     d = await adm.admit(t, 10, running=[running.lease])
@@ -58,20 +73,23 @@ async def test_a_request_past_its_estimate_is_rechecked_in_a_second_and_an_unkno
     d = await adm.admit(t, 10)
     assert not d.admitted and d.retry_after_s == pytest.approx(1.0, abs=0.01)
     await adm.settle(late.lease, 10)
+    t0 = await redis_s(adm)
     unknown = await adm.admit(t, 10)  # no rate measured yet: no estimate
     d = await adm.admit(t, 10)
-    assert not d.admitted and TTL_S - 0.1 <= d.retry_after_s <= TTL_S  # bounded by the lease's expiry
+    assert not d.admitted and TTL_S - await since(adm, t0) <= d.retry_after_s <= TTL_S  # the lease's expiry
     await adm.settle(unknown.lease, 10)
 
 
 async def test_inflight_hint_waits_for_enough_tokens_to_end(adm):
     t = tenant(max_inflight_tokens=700)
+    t0 = await redis_s(adm)
     long = await adm.admit(t, 300, expected_s=3.0)
     short = await adm.admit(t, 300, expected_s=1.0)
     d = await adm.admit(t, 300)  # 600 + 300 > 700: 200 tokens must end; the 1-s lease frees 300
-    assert not d.admitted and d.reason == "inflight_tokens" and 0.9 <= d.retry_after_s <= 1.0
+    assert not d.admitted and d.reason == "inflight_tokens"
+    assert 1.0 - await since(adm, t0) <= d.retry_after_s <= 1.0
     d = await adm.admit(t, 500)  # 400 must end: both leases
-    assert not d.admitted and 2.9 <= d.retry_after_s <= 3.0
+    assert not d.admitted and 3.0 - await since(adm, t0) <= d.retry_after_s <= 3.0
     for x in (long, short):
         await adm.settle(x.lease, 300)
 
@@ -80,17 +98,19 @@ async def test_renewal_refreshes_the_expected_end(adm):
     t = tenant(max_concurrent_requests=1)
     d = await adm.admit(t, 10, expected_s=30.0)
     d.lease.remaining_s = lambda: 4.0
+    t0 = await redis_s(adm)
     assert await adm.renew([d.lease]) == 1
     d2 = await adm.admit(t, 10)
-    assert not d2.admitted and 3.9 <= d2.retry_after_s <= 4.0
+    assert not d2.admitted and 4.0 - await since(adm, t0) <= d2.retry_after_s <= 4.0
     await adm.settle(d.lease, 10)
 
 
 async def test_tpm_hint_is_still_the_refill_time(adm):
     t = tenant(tpm=600, max_concurrent_requests=5)  # 10 tokens/s
+    t0 = await redis_s(adm)
     first = await adm.admit(t, 550, expected_s=0.5)
-    d = await adm.admit(t, 100)  # 50 left, 50 missing at 10 tokens/s: ~5 s (not the lease's 0.5 s)
-    assert not d.admitted and d.reason == "tokens" and 4.9 <= d.retry_after_s <= 5.0
+    d = await adm.admit(t, 100)  # 50 left, 50 missing at 10 tokens/s: 5 s less the refill since (not 0.5 s)
+    assert not d.admitted and d.reason == "tokens" and 5.0 - await since(adm, t0) <= d.retry_after_s <= 5.0
     await adm.settle(first.lease, 550)
 
 
@@ -123,17 +143,20 @@ def _session(gw, tenant_id: str):
     return live[0] if live else None
 
 
-def test_inflight_429_says_when_the_blocking_request_ends_and_the_client_retry_succeeds(gateway_factory):
+def test_inflight_429_says_when_the_blocking_request_ends_and_the_client_retry_succeeds(gateway_factory, control):
     """The in-flight budget is held by one stream; a second request is refused while the stream needs
     about 1 s more (its remaining tokens at the gateway's measured rate): retry-after <= 3 (not the
-    15-s lease TTL), retry-after-ms precise, and the official client's own retry then succeeds."""
+    15-s lease TTL), retry-after-ms precise, and the official client's own retry then succeeds.
+
+    The test worker's engine holds the stream exactly that many tokens before its end (test control),
+    so the refusal comes while it runs on any machine; the hold is let go when the client sees the 429."""
     gw = gateway_factory([{"id": "hint", "limits": {"max_inflight_tokens": 1000}}])
     state = gw.app.state.gw
     plain = gw.client("hint")
     # 1. the gateway measures the model's output rate on one finished stream
     list(plain.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=120, stream=True,
                                        extra_body={"ignore_eos": True}))
-    wait_until(lambda: state.rates.rate(MODEL), 10, "the gateway measured an output rate")
+    wait_until(lambda: state.rates.rate(MODEL), "the gateway measured an output rate")
     rate = state.rates.rate(MODEL)
     one_second = max(1, int(rate))  # tokens the blocking stream makes in ~1 s at the measured rate
 
@@ -149,16 +172,23 @@ def test_inflight_429_says_when_the_blocking_request_ends_and_the_client_retry_s
         finally:
             done.set()
 
+    control.hold_when("token", tenant="hint", count=n_tokens - one_second)
     reader = threading.Thread(target=consume, daemon=True)
     reader.start()
     wait_until(lambda: (s := _session(gw, "hint")) is not None
-               and s.jobs[0].completion_tokens >= n_tokens - one_second, 120,
-               f"the blocking stream within {one_second} tokens (~1 s at {rate:.0f} tokens/s) of its end")
+               and s.jobs[0].completion_tokens == n_tokens - one_second and control.state()["held"],
+               f"the blocking stream held {one_second} tokens (~1 s at {rate:.0f} tokens/s) before its end")
     assert not done.is_set()
 
     # 3. a request that does not fit beside it (its lease holds ~620 of 1000 tokens; this one needs ~420)
     seen: list[httpx.Response] = []
-    http = httpx.Client(event_hooks={"response": [seen.append]}, timeout=60)
+
+    def on_response(resp: httpx.Response) -> None:
+        seen.append(resp)
+        if resp.status_code == 429:  # refused while the stream runs: now let it finish
+            control.release()
+
+    http = httpx.Client(event_hooks={"response": [on_response]}, timeout=60)
     retrying = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys["hint"], max_retries=10, http_client=http)
     r = retrying.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=400, temperature=0)
     assert r.choices[0].message.content is not None and r.usage.completion_tokens >= 1
@@ -171,9 +201,10 @@ def test_inflight_429_says_when_the_blocking_request_ends_and_the_client_retry_s
     assert 1 <= retry_s <= 3, dict(first.headers)
     assert 1 <= retry_ms <= 3000 and retry_s == max(1, -(-retry_ms // 1000)), dict(first.headers)
     assert seen[-1].status_code == 200
-    reader.join(120)
+    join_all([reader], "the blocking stream")
     http.close()
-    assert done.is_set() and gw.leases("hint") == {}
+    assert done.is_set()
+    wait_until(lambda: gw.leases("hint") == {}, "every lease of the tenant released")
     print(f"\nin-flight 429 while the blocking stream had <= {one_second} tokens left at {rate:.0f} tokens/s: "
           f"retry-after {retry_s} s, retry-after-ms {retry_ms}; {len(seen) - 1} retr{'y' if len(seen) == 2 else 'ies'}"
           " until 200")

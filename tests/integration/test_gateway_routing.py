@@ -4,12 +4,11 @@ fail on purpose); generation itself always comes from the real worker."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
+import socket
 import threading
-import time
 from concurrent import futures
 
 import grpc
@@ -22,6 +21,7 @@ from fairshare.procs import free_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import GATEWAY_TEST_SECRET
+from tests.support.waits import wait_for
 
 MODEL = "random-tiny"
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -32,10 +32,10 @@ class ProxyWorker(pb_grpc.WorkerServicer):
     ``record`` (forward, remember requests), ``unavailable`` (Generate fails with UNAVAILABLE),
     ``abort`` (Generate ends with FINISH_REASON_ABORT before any token), ``other_template`` (ModelInfo
     sends a different chat template under the original digest), ``other_template_consistent`` (a
-    different template with its matching digest), ``slow_start`` (waits 5 s before forwarding, as if
-    queued; records a cancellation)."""
+    different template with its matching digest), ``slow_start`` (sends nothing until the caller
+    cancels, as if queued behind a long backlog; records the cancellation)."""
 
-    def __init__(self, target: str, mode: str = "record", health_servicer=None):
+    def __init__(self, target: str, mode: str = "record"):
         self.mode = mode
         self.requests: list[pb.GenerateRequest] = []
         self.cancelled: list[str] = []
@@ -46,7 +46,7 @@ class ProxyWorker(pb_grpc.WorkerServicer):
         self.server = grpc.server(futures.ThreadPoolExecutor(16),
                                   options=[("grpc.max_send_message_length", 256 << 20)])
         pb_grpc.add_WorkerServicer_to_server(self, self.server)
-        self.health = health_servicer or health.HealthServicer()
+        self.health = health.HealthServicer()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -55,12 +55,12 @@ class ProxyWorker(pb_grpc.WorkerServicer):
 
     def Generate(self, request, context):
         self.requests.append(request)
-        if self.mode == "slow_start":  # a long queue before the first token
+        if self.mode == "slow_start":  # a queue that never moves: only the caller's cancel ends it
             gone = threading.Event()
             context.add_callback(gone.set)
-            if gone.wait(5.0):
+            if gone.wait(300.0):
                 self.cancelled.append(request.request_id)
-                return
+            return
         if self.mode == "unavailable":
             context.abort(grpc.StatusCode.UNAVAILABLE, "injected failure")
         if self.mode == "abort":
@@ -96,8 +96,8 @@ class ProxyWorker(pb_grpc.WorkerServicer):
 def proxies(worker_addr):
     made = []
 
-    def make(mode="record", health_servicer=None):
-        p = ProxyWorker(worker_addr, mode, health_servicer)
+    def make(mode="record"):
+        p = ProxyWorker(worker_addr, mode)
         made.append(p)
         return p
 
@@ -207,18 +207,12 @@ def test_disagreeing_or_unhealthy_worker_is_not_used(gateway_factory, proxies):
     assert len(good.requests) == 4 and other.requests == []
     # the good one stops serving: requests get a 503 until it is back
     good.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.NOT_SERVING)
-    deadline = time.monotonic() + 5
-    while httpx.get(gw.base_url + "/readyz").status_code == 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: httpx.get(gw.base_url + "/readyz").status_code == 503, "gateway not ready once no worker serves")
     with pytest.raises(openai.InternalServerError) as e:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1)
     assert e.value.status_code == 503
     good.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
-    deadline = time.monotonic() + 5
-    while httpx.get(gw.base_url + "/readyz").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: httpx.get(gw.base_url + "/readyz").status_code == 200, "gateway ready again")
     assert client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).choices
 
 
@@ -241,70 +235,54 @@ def test_local_tokenizer_decides_which_workers_agree(gateway_factory, proxies, w
     assert len(good.requests) == 3 and other.requests == []
 
 
+def leave_once(base_url: str, key: str, body: dict, arrived) -> None:
+    """Send `body` to /v1/chat/completions over a raw connection and close it (as a client that gives
+    up does) as soon as `arrived()` is true: the moment the client leaves is a state, not a timer."""
+    host, port = base_url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + payload)
+        wait_for(arrived, "the request reached the worker")
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_leaving_before_the_first_token_cancels_and_releases(gateway_factory, proxies, stream):
     slow = proxies("slow_start")
     tid = f"early-{int(stream)}"
     gw = gateway_factory([{"id": tid, "limits": {"max_concurrent_requests": 1}}], workers=[slow.addr])
-    client = gw.client(tid, timeout=0.5)
-    t0 = time.monotonic()
-    with pytest.raises(openai.APITimeoutError):
-        r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=5, stream=stream)
-        if stream:
-            list(r)
-    deadline = t0 + 1.5
-    while not (slow.cancelled and gw.leases(tid) == {}):
-        assert time.monotonic() < deadline, (slow.cancelled, gw.leases(tid))
-        time.sleep(0.02)
+    leave_once(gw.base_url, gw.keys[tid], {"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": stream},
+               lambda: slow.requests)
+    wait_for(lambda: slow.cancelled and gw.leases(tid) == {},
+             lambda: f"the worker call cancelled and the lease released: cancelled {slow.cancelled}, "
+                     f"leases {gw.leases(tid)}")
     assert slow.cancelled == [slow.requests[0].request_id]
+    # the slot is free again: the tenant's one concurrent request is admitted (and reaches the worker)
+    leave_once(gw.base_url, gw.keys[tid], {"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": stream},
+               lambda: len(slow.requests) == 2)
+    wait_for(lambda: len(slow.cancelled) == 2 and gw.leases(tid) == {}, "the second call cancelled and released")
 
 
-class StallingHealth(health.HealthServicer):
-    """grpc.health.v1 whose next `stall` Check calls answer only after `stall_s` seconds (a worker
-    too busy to answer in time), then normally."""
-
-    def __init__(self, stall_s: float = 4.0):
-        super().__init__()
-        self.stall = 0
-        self.stall_s = stall_s
-
-    def Check(self, request, context):
-        if self.stall > 0:
-            self.stall -= 1
-            time.sleep(self.stall_s)
-        return super().Check(request, context)
-
-
-async def test_a_serving_worker_leaves_routing_after_three_missed_checks_or_at_once_when_not_serving(proxies):
+async def test_a_worker_reporting_not_serving_leaves_routing_from_its_health_watch_before_any_poll(proxies):
+    """A draining worker (NOT_SERVING) is out of routing as soon as its health ``Watch`` stream says
+    so, not at the next poll (there is none here: the poll interval is an hour); SERVING again on the
+    stream brings it back through a full check. (Late polls: tests/unit/test_gateway_health_poll.py.)"""
     from gateway.routing import WorkerPool
+    from tests.support.waits import wait_for_async
 
-    flaky = StallingHealth()
-    p = proxies("record", health_servicer=flaky)
-    # the test drives the checks itself (no background round after the first)
-    pool = WorkerPool([p.addr], health_interval_s=3600, health_timeout_s=1.0, health_failures=3)
+    p = proxies("record")
+    pool = WorkerPool([p.addr], health_interval_s=3600, health_timeout_s=5.0)
     await pool.start()
     await pool._first_round.wait()
     (w,) = pool.workers
     try:
         assert w.usable and w.worker_id, w.last_error
-        flaky.stall = 2
-        for missed in (1, 2):  # one or two slow answers under load: still routed to
-            await pool.poll_once()
-            assert w.failures == missed and w.usable
-        await pool.poll_once()
-        assert w.failures == 0 and w.usable
-        flaky.stall = 3
-        for _ in range(3):
-            await pool.poll_once()
-        assert not w.usable and "3 failed check(s) in a row" in w.last_error
-        await pool.poll_once()
-        assert w.usable
-        # draining (NOT_SERVING): out at once, from the health Watch stream, before any check
+        await wait_for_async(lambda: w.watch_task is not None, "the health watch started")
         p.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.NOT_SERVING)
-        deadline = time.monotonic() + 30
-        while w.usable:
-            assert time.monotonic() < deadline, "the health watch never took the NOT_SERVING worker out"
-            await asyncio.sleep(0.02)
+        await wait_for_async(lambda: not w.usable, lambda: f"the watch took the NOT_SERVING worker out ({w})")
         assert "watch" in w.last_error
+        p.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+        await wait_for_async(lambda: w.usable, lambda: f"the watch brought the SERVING worker back ({w})")
     finally:
         await pool.stop()

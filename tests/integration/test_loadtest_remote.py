@@ -10,7 +10,6 @@ service and policy from `--worker-metrics`, the report with its plots.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,13 +22,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytest.importorskip("matplotlib")
+from fairshare.config import TenantsFile
+from loadtests.campaigns import CAMPAIGNS, get_campaign
+from loadtests.client import (RequestRecord, chat_body, env_name, keys_from_env, parse_keys, stream_chat,
+                              synth_prompt)
+from loadtests.report import Run, percentile, write_report
+from tests.support.skips import require_module
 
-from fairshare.config import TenantsFile  # noqa: E402
-from loadtests.campaigns import CAMPAIGNS, get_campaign  # noqa: E402
-from loadtests.client import (RequestRecord, chat_body, env_name, keys_from_env, parse_keys,  # noqa: E402
-                              stream_chat, synth_prompt)
-from loadtests.report import Run, percentile, write_report  # noqa: E402
+LOADTEST_HINT = "pip install -e '.[loadtest]' (make install does)"
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"flood": "sk-stub-flood", "trickle": "sk-stub-trickle"}
@@ -245,6 +245,7 @@ def test_stream_chat_records_ttft_itl_usage_and_429():
 
 
 def test_report_from_synthetic_runs_has_tables_plots_and_the_comparison(tmp_path):
+    require_module("matplotlib", LOADTEST_HINT)
     c = get_campaign("noisy-neighbour")
 
     def run(policy: str, trickle_ttft: float) -> Run:
@@ -292,8 +293,7 @@ def test_report_from_synthetic_runs_has_tables_plots_and_the_comparison(tmp_path
 # ------------------------------------------------------------------------------------------------
 
 def test_loadtest_against_a_url_with_keys_file_and_worker_metrics(tmp_path):
-    if importlib.util.find_spec("locust") is None:  # never import it here: it monkey-patches with gevent
-        pytest.skip("locust is not installed (pip install -e '.[loadtest]')")
+    require_module("locust", LOADTEST_HINT)  # (found, never imported here: it monkey-patches with gevent)
     keys = tmp_path / "keys.yaml"
     keys.write_text(yaml.safe_dump(KEYS))
     out = tmp_path / "report"

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fairshare.procs import free_port
 from tests.conftest import start_worker
+from tests.support.waits import join_all
 from worker.metrics import OTHER_TENANT, EngineCollector, TenantLabels, WorkerMetrics
 
 ALPHA_N, BETA_N, MAX_TOKENS = 3, 2, 5
@@ -81,8 +82,7 @@ def test_two_tenant_run_metrics_on_both_tiers(metrics_worker, gateway_factory):
                                                           for i in range(BETA_N + 1)]))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join(120)
+    join_all(threads, "both tenants' requests")
     assert not errors, errors
     assert statuses == {"alpha": [200] * ALPHA_N, "beta": [200] * BETA_N + [429]}  # beta's RPM is BETA_N
 

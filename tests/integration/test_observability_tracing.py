@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 import pytest
@@ -22,6 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from fairshare.procs import free_port
 from fairshare.telemetry import extract_metadata, inject_metadata, make_tracer_provider
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from tests.conftest import wait_ready
+from tests.support.waits import wait_for
 
 SECRET = "observability-test-secret"
 
@@ -94,36 +95,25 @@ def traced_stack(redis_url, tmp_path_factory):
                                key_prefix="fairshare-obs-trace")
     app = create_app(settings, tracer_provider=make_tracer_provider("fairshare-gateway", span_exporter=exporter))
     server = ServerThread(app).start()
-    _wait_ready(server.base_url)
+    wait_ready(server.base_url)
     yield exporter, worker, server.base_url, {"tracer-t": key}
     server.stop()
     worker.stop()
 
 
-def _wait_ready(base_url: str, timeout_s: float = 60.0) -> None:
-    import urllib.request
+def _spans_of_trace(exporter, trace_id: int, want: set[str]):
+    """The finished spans of a trace, once every name in `want` is among them (AssertionError if never)."""
+    def spans():
+        found = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
+        return found if want <= {s.name for s in found} else None
 
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(base_url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("gateway not ready")
-        time.sleep(0.05)
+    return wait_for(spans, lambda: f"spans {sorted(want)} of trace {trace_id:x} finished; have "
+                                   f"{sorted({s.name for s in exporter.get_finished_spans()})}")
 
 
-def _spans_of_trace(exporter, trace_id: int, want: set[str], timeout_s: float = 10.0):
-    """The finished spans of a trace, once every name in `want` is among them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == trace_id]
-        if want <= {s.name for s in spans} or time.monotonic() > deadline:
-            return spans
-        time.sleep(0.02)
+def _finished(exporter, name: str) -> list:
+    """The finished spans named `name`, once there is at least one (AssertionError if never)."""
+    return wait_for(lambda: [s for s in exporter.get_finished_spans() if s.name == name], f"a finished {name} span")
 
 
 def _all_attribute_text(spans) -> str:
@@ -147,7 +137,7 @@ def test_gateway_span_parents_worker_spans_across_grpc(traced_stack):
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert isinstance(text, str)
 
-    roots = [s for s in exporter.get_finished_spans() if s.name == "gateway.request"]
+    roots = _finished(exporter, "gateway.request")
     assert len(roots) == 1
     root = roots[0]
     spans = _spans_of_trace(exporter, root.context.trace_id, {"worker.generate", "worker.queue", "worker.prefill",
@@ -208,11 +198,7 @@ def test_worker_span_without_trace_metadata_is_a_root(traced_stack):
                                      prompt_token_ids=list(range(100, 120)),
                                      sampling=worker_pb2.SamplingParams(max_tokens=3, ignore_eos=True))
     assert sum(len(m.token_ids) for m in stub.Generate(req)) == 3
-    deadline = time.monotonic() + 10
-    while not [s for s in exporter.get_finished_spans() if s.name == "worker.generate"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    gen = [s for s in exporter.get_finished_spans() if s.name == "worker.generate"][0]
+    gen = _finished(exporter, "worker.generate")[0]
     assert gen.parent is None
     assert gen.attributes["fairshare.request_id"] == "no-trace-ctx"
 
@@ -226,8 +212,8 @@ def test_rejected_request_is_traced_without_the_key(traced_stack):
     client = openai.OpenAI(base_url=base_url + "/v1", api_key=bad, max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model="random-tiny", prompt="hi", max_tokens=2)
+    root = _finished(exporter, "gateway.request")[0]
     spans = exporter.get_finished_spans()
-    root = [s for s in spans if s.name == "gateway.request"][0]
     auth = [s for s in spans if s.name == "gateway.auth"][0]
     assert root.attributes["http.response.status_code"] == 401
     assert root.attributes["error.type"] == "invalid_api_key"

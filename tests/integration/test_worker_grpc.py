@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import grpc
@@ -11,7 +10,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
-from tests.conftest import start_worker
+from tests.conftest import start_worker, stop_worker
+from tests.support.control_client import WorkerControl
+from tests.support.waits import join_all, wait_for
 
 
 def stub_for(addr):
@@ -37,13 +38,22 @@ def collect(stub, req):
     return tokens, text, last
 
 
-def wait_idle(stub, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    load = stub.GetLoad(worker_pb2.GetLoadRequest())
-    while (load.running or load.waiting or load.kv_blocks_used) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        load = stub.GetLoad(worker_pb2.GetLoadRequest())
-    return load
+def wait_load(stub, cond, what: str, timeout_s: float = 120.0):
+    """GetLoad until `cond(load)` holds; returns that load (AssertionError naming `what`, and the last
+    GetLoad, when it never does)."""
+    last = []
+
+    def probe():
+        last[:] = [stub.GetLoad(worker_pb2.GetLoadRequest())]
+        return last[0] if cond(last[0]) else None
+
+    return wait_for(probe, lambda: f"{what}; last GetLoad: {last[0] if last else None}", timeout_s)
+
+
+def wait_idle(stub, timeout_s=120.0):
+    """GetLoad once nothing is waiting or running and every KV block is free."""
+    return wait_load(stub, lambda ld: not (ld.running or ld.waiting or ld.kv_blocks_used),
+                     "worker idle (nothing waiting or running, every KV block free)", timeout_s)
 
 
 def test_health_and_model_info(worker_addr):
@@ -68,8 +78,7 @@ def test_two_tenants_stream_concurrently_with_correct_usage(worker_addr):
                for t in ("acme", "globex") for i in range(3)]
     for th in threads:
         th.start()
-    for th in threads:
-        th.join(60)
+    join_all(threads, "six concurrent streams")
     assert len(results) == 6
     for name, (tokens, text, last) in results.items():
         i = int(name[-1])
@@ -95,27 +104,38 @@ def test_greedy_is_deterministic_and_seed_is_honoured(worker_addr):
     assert s1 == s2 and s1 != s3
 
 
-def test_cancelled_stream_and_abort_rpc_free_every_kv_block(worker_addr):
+def test_cancelled_stream_and_abort_rpc_free_every_kv_block(worker_addr, control):
+    """The engine is held right after the request's 2nd (then 1st) token, so it is still generating
+    when the stream is cancelled (or Abort is called) however fast the machine: the abort is carried
+    out without another iteration and frees every block."""
     stub = stub_for(worker_addr)
-    idle = wait_idle(stub).kv_blocks_used
-    assert idle == 0
+    assert wait_idle(stub).kv_blocks_used == 0
     # 1) the client cancels the stream mid-generation
-    call = stub.Generate(gen_request("acme", list(range(1, 300)), max_tokens=5000))
-    next(call)
-    next(call)
-    assert stub.GetLoad(worker_pb2.GetLoadRequest()).kv_blocks_used > 0
-    call.cancel()
-    assert wait_idle(stub).kv_blocks_used == idle
-    # 2) Abort by request id
-    req = gen_request("globex", list(range(1, 300)), max_tokens=5000)
+    req = gen_request("cancel-t", list(range(1, 300)), max_tokens=5000)
+    control.hold_when("token", tenant="cancel-t", count=2)
     call = stub.Generate(req)
     next(call)
+    next(call)
+    wait_for(lambda: control.state()["held"], "engine held after cancel-t's 2nd token")
+    load = stub.GetLoad(worker_pb2.GetLoadRequest())
+    assert load.running == 1 and load.kv_blocks_used > 0
+    call.cancel()
+    assert wait_idle(stub).kv_blocks_used == 0  # while held: no iteration was needed
+    r = control.requests(request_id=req.request_id)[req.request_id]
+    assert r.reason == "abort" and len(r.tokens) == 2 and r.tokens_after(r.abort_requested[0]) == 0
+    control.release()
+    # 2) Abort by request id
+    req = gen_request("abort-t", list(range(1, 300)), max_tokens=5000)
+    control.hold_when("token", tenant="abort-t", count=1)
+    call = stub.Generate(req)
+    next(call)
+    wait_for(lambda: control.state()["held"], "engine held after abort-t's first token")
     assert stub.Abort(worker_pb2.AbortRequest(request_id=req.request_id)).found
     last = None
     for msg in call:
         last = msg
-    assert last.finish_reason == worker_pb2.FINISH_REASON_ABORT
-    assert wait_idle(stub).kv_blocks_used == idle
+    assert last.finish_reason == worker_pb2.FINISH_REASON_ABORT and last.usage.completion_tokens == 1
+    assert wait_idle(stub).kv_blocks_used == 0
     assert not stub.Abort(worker_pb2.AbortRequest(request_id=req.request_id)).found
 
 
@@ -132,43 +152,43 @@ def test_invalid_requests_are_refused_with_invalid_argument(worker_addr):
 
 @pytest.mark.parametrize("policy", ["vtc", "fcfs"])
 def test_vtc_serves_second_tenant_before_backlog_fcfs_does_not(policy, tmp_path):
-    """Tenant A queues 20 requests; then B sends 2. Under VTC B's first token comes before A's
-    fifth request starts; under FCFS it does not."""
+    """Tenant A queues 20 requests; then B sends 2 (max 4 running). Under VTC B's first token comes
+    before A's fifth request's first token; under FCFS it does not.
+
+    The engine is held until all 20 of A's requests, in index order, and then both of B's are
+    waiting, then released: the scheduler decides with the whole backlog in front of it on any
+    machine. The order is read from the worker's own event log (one sequence over every token)."""
     proc, addr = start_worker("--max-running", "4", policy=policy, log_path=tmp_path / "w.log")
+    control = WorkerControl(addr)
     try:
         stub = stub_for(addr)
-        first_token_at: dict[str, float] = {}
+        a = [gen_request("A", list(range(1000 + i, 1032 + i)), max_tokens=16 + 3 * i) for i in range(20)]
+        b = [gen_request("B", list(range(2000 + i, 2016 + i)), max_tokens=4) for i in range(2)]
+        errors: list[BaseException] = []
 
-        def run(name, tenant, prompt, n):
-            for msg in stub.Generate(gen_request(tenant, prompt, max_tokens=n)):
-                if msg.token_ids and name not in first_token_at:
-                    first_token_at[name] = time.monotonic()
+        def run(req):
+            try:
+                collect(stub, req)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
 
         threads = []
-        for i in range(20):
-            th = threading.Thread(target=run, args=(f"A{i}", "A", list(range(1000 + i, 1032 + i)), 16 + 3 * i))
-            th.start()
-            threads.append(th)
-            time.sleep(0.01)  # A's requests arrive in index order
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            load = stub.GetLoad(worker_pb2.GetLoadRequest())
-            if load.waiting + load.running >= 20:
-                break
-            time.sleep(0.01)
-        for i in range(2):
-            th = threading.Thread(target=run, args=(f"B{i}", "B", list(range(2000 + i, 2016 + i)), 4))
-            th.start()
-            threads.append(th)
-        for th in threads:
-            th.join(120)
-        assert len(first_token_at) == 22
-        b_first = min(first_token_at["B0"], first_token_at["B1"])
-        a_fifth = sorted(first_token_at[f"A{i}"] for i in range(20))[4]
+        with control.held():
+            for n, req in enumerate(a + b, start=1):  # each one waiting before the next is sent
+                threads.append(threading.Thread(target=run, args=(req,)))
+                threads[-1].start()
+                wait_load(stub, lambda ld, n=n: ld.waiting == n and ld.running == 0, f"{n} requests waiting")
+        join_all(threads, "22 streams")
+        assert not errors, errors
+        log = control.requests()
+        first = {req.request_id: log[req.request_id].first_token[0] for req in a + b}
+        b_first = min(first[req.request_id] for req in b)
+        a_fifth = sorted(first[req.request_id] for req in a)[4]
+        assert all(log[req.request_id].reason == "length" for req in a + b)
         if policy == "vtc":
             assert b_first < a_fifth
         else:
             assert b_first > a_fifth
     finally:
-        proc.terminate()
-        proc.wait(20)
+        control.close()
+        stop_worker(proc)

@@ -11,7 +11,6 @@ beside the flood: the worker reclaims blocks from the over-quota flood (a reclai
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 
 import grpc
@@ -20,18 +19,13 @@ import pytest
 from fairshare.procs import free_port
 from fairshare.v1 import worker_pb2
 from tests.conftest import start_worker
-from tests.integration.test_worker_grpc import gen_request, stub_for, wait_idle
+from tests.integration.test_worker_grpc import gen_request, stub_for, wait_idle, wait_load
+from tests.support.waits import join_all
 
 
-def _poll(stub, cond, timeout_s=90.0):
-    """GetLoad until `cond(load)` holds; returns that load (fails the test after timeout_s)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        load = stub.GetLoad(worker_pb2.GetLoadRequest())
-        if cond(load):
-            return load
-        assert time.monotonic() < deadline, f"state not reached; last GetLoad:\n{load}"
-        time.sleep(0.02)
+def _poll(stub, cond, what: str = "quota state"):
+    """GetLoad until `cond(load)` holds; returns that load (AssertionError naming `what` if never)."""
+    return wait_load(stub, cond, what)
 
 
 def _tenants(load) -> dict:
@@ -104,7 +98,7 @@ def test_getload_and_metrics_report_quotas_and_reclaim(quota_worker):
         vt.start()
         threads.append(vt)
         load = _poll(stub, lambda ld: ld.reclaim_preemptions >= 1)
-        vt.join(120)
+        join_all([vt], "the victim's request")
         assert results.get("victim") == "first-token", results
         by = _tenants(stub.GetLoad(worker_pb2.GetLoadRequest()))
         assert by["victim"].kv_soft_quota_blocks == 121  # weight share of 256 * 0.95 between two tenants of w=1
@@ -125,7 +119,7 @@ def test_getload_and_metrics_report_quotas_and_reclaim(quota_worker):
         for t in threads:
             t.join(60)
     # cancelling every stream frees every block
-    assert wait_idle(stub, 30).kv_blocks_used == 0
+    assert wait_idle(stub).kv_blocks_used == 0
 
 
 def test_worker_without_quotas_reports_them_off(worker_addr):

@@ -2,9 +2,10 @@
 the random tiny model, gateways in process or as `fairshare gateway` subprocesses) that the tests break.
 
 - `RedisServer`: a redis-server the test can kill (SIGKILL) and restart on the same port.
-- `KillableWorkers` / `two_workers`: two reference workers (package scope) that tests may kill or
-  SIGTERM; `ensure_alive()` restarts the dead ones on their ports (the next test's setup does it).
-  They run with FAIRSHARE_WORKER_TEST_FAULTS=1 (test-only fault injection, worker/server.py).
+- `KillableWorkers` / `two_workers`: two test workers (package scope; tests/support/worker_main.py:
+  the real worker plus its test control) that tests may kill or SIGTERM; `ensure_alive()` restarts
+  the dead ones on their ports (the next test's setup does it). `control(i)` holds worker i's engine
+  or injects its faults (tests/support/control_client.py); every test starts with both reset.
 - `InProcessGateway`: the app under uvicorn in a thread, with access to its internals (leases held,
   owed settlements) and to the Redis it uses.
 - `GatewayProcess`: `python -m fairshare.cli gateway ...` as a subprocess (to kill -9 or SIGTERM it).
@@ -31,7 +32,9 @@ import yaml
 from fairshare.procs import free_port, start_redis, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
-from tests.conftest import ROOT
+from tests.conftest import ROOT, worker_command
+from tests.support.control_client import WorkerControl
+from tests.support.waits import DEFAULT_TIMEOUT_S, wait_for
 
 SECRET = "reliability-test-secret"
 MODEL = "random-tiny"
@@ -40,18 +43,13 @@ HELLO = [{"role": "user", "content": "Hello, how are you?"}]
 
 # -- waiting -----------------------------------------------------------------------------------------
 
-def wait_until(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> float:
-    """Poll `pred` until truthy; return the seconds it took. AssertionError after `timeout_s`."""
+def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+               interval_s: float = 0.05) -> float:
+    """Poll `pred` until truthy (a probe that raises is "not yet"); return the seconds it took (for
+    the report, never asserted). AssertionError naming `what` after `timeout_s` (a hang's ceiling)."""
     t0 = time.monotonic()
-    while True:
-        try:
-            if pred():
-                return time.monotonic() - t0
-        except Exception:  # noqa: BLE001 - a probe that fails is "not yet"
-            pass
-        if time.monotonic() - t0 > timeout_s:
-            raise AssertionError(f"not within {timeout_s} s: {what}")
-        time.sleep(interval_s)
+    wait_for(pred, what, timeout_s, interval_s, ignore=(Exception,))
+    return time.monotonic() - t0
 
 
 # -- OpenAI-shaped errors and SSE ---------------------------------------------------------------------
@@ -153,26 +151,24 @@ def write_tenants(d: Path, tenants: list[dict]) -> tuple[Path, dict[str, str]]:
     return tf, keys
 
 
-def wait_ready(base_url: str, timeout_s: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(base_url: str, timeout_s: float = DEFAULT_TIMEOUT_S, proc: subprocess.Popen | None = None) -> None:
+    """Until the gateway is ready and routes to every worker it was given (each healthy and agreeing):
+    the tests spread requests over the workers, so one still unpolled (a first poll that came too
+    late on a loaded machine) must not leave them all on the other."""
+    last = {}
+
     def ready():
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"gateway exited with {proc.returncode}")
-        return httpx.get(base_url + "/readyz", timeout=2).status_code == 200
+        try:
+            r = httpx.get(base_url + "/readyz", timeout=5)
+        except (httpx.HTTPError, OSError):
+            return False
+        last["body"] = r.text[:1000]
+        return r.status_code == 200 and all(w["healthy"] and w["agrees"] for w in r.json()["workers"])
 
-    t0 = time.monotonic()
-    while not _safe(ready):
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"gateway exited with {proc.returncode}")
-        if time.monotonic() - t0 > timeout_s:
-            raise TimeoutError("gateway not ready")
-        time.sleep(0.05)
-
-
-def _safe(f) -> bool:
-    try:
-        return bool(f())
-    except (httpx.HTTPError, OSError):
-        return False
+    wait_for(ready, lambda: f"gateway {base_url} ready with every worker usable; /readyz {last.get('body')}",
+             timeout_s)
 
 
 # -- gateways --------------------------------------------------------------------------------------------
@@ -216,7 +212,7 @@ class InProcessGateway(_TenantClients):
     def gw(self):
         return self.server.app.state.gw
 
-    def wait_ready(self, timeout_s: float = 60.0) -> "InProcessGateway":
+    def wait_ready(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> "InProcessGateway":
         wait_ready(self.base_url, timeout_s)
         return self
 
@@ -250,7 +246,7 @@ class GatewayProcess(_TenantClients):
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=e,
                                      start_new_session=True)
 
-    def wait_ready(self, timeout_s: float = 60.0) -> "GatewayProcess":
+    def wait_ready(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> "GatewayProcess":
         wait_ready(self.base_url, timeout_s, self.proc)
         return self
 
@@ -298,7 +294,10 @@ def idle(addr: str) -> bool:
 
 
 class KillableWorkers:
-    """Reference workers (random tiny model) on fixed ports that tests may kill or SIGTERM."""
+    """Test workers (random tiny model) on fixed ports that tests may kill or SIGTERM.
+
+    inject_rules: faults (`WorkerControl.inject` arguments) every worker started from now on has from
+    its first request (`--test-inject`), e.g. for one restarted while traffic flows; `reset()` clears them."""
 
     def __init__(self, d: Path, n: int = 2, drain_timeout_s: float = 4.0) -> None:
         self.d = d
@@ -307,17 +306,31 @@ class KillableWorkers:
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.drain_timeout_s = drain_timeout_s
         self.starts = 0
+        self.inject_rules: list[dict] = []
+        self._controls: dict[int, WorkerControl] = {}
 
     def _spawn(self, i: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1", "--port", str(self.ports[i]),
-               "--model", MODEL, "--policy", "vtc", "--drain-timeout", str(self.drain_timeout_s),
-               "--threads", "1"]
-        env = os.environ.copy()
-        env["FAIRSHARE_WORKER_TEST_FAULTS"] = "1"  # test-only fault injection (worker/server.py)
+        inject = [x for rule in self.inject_rules for x in ("--test-inject", json.dumps(rule))]
+        cmd = worker_command("--drain-timeout", str(self.drain_timeout_s), "--threads", "1", *inject, model=MODEL,
+                             port=self.ports[i])
         self.starts += 1
         log = open(self.d / f"worker-{i}-{self.starts}.log", "wb")
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
                                 start_new_session=True)
+
+    def control(self, i: int) -> WorkerControl:
+        """The test control of worker `i` (tests/support/control_client.py; one channel per port, which
+        reconnects to a restarted worker)."""
+        if i not in self._controls:
+            self._controls[i] = WorkerControl(self.addrs[i])
+        return self._controls[i]
+
+    def reset(self) -> None:
+        """Release every engine and stalled stream, disarm every fault (live and for later starts)."""
+        self.inject_rules = []
+        for i in range(len(self.ports)):
+            if self.alive(i):
+                self.control(i).reset()
 
     def alive(self, i: int) -> bool:
         p = self.procs[i]
@@ -333,7 +346,7 @@ class KillableWorkers:
         for i in started:
             wait_for_port("127.0.0.1", self.ports[i], 300.0, self.procs[i])
         for i in range(len(self.ports)):
-            wait_until(lambda i=i: get_load(self.addrs[i]) is not None, 60, f"worker {i} answers")
+            wait_until(lambda i=i: get_load(self.addrs[i]) is not None, f"worker {i} answers")
 
     def start_async(self, i: int) -> None:
         """Start worker `i` again without waiting (it listens ~10 s later)."""
@@ -355,6 +368,8 @@ class KillableWorkers:
         return "\n".join(f.read_text(errors="replace") for f in sorted(self.d.glob("worker-*.log")))
 
     def stop(self) -> None:
+        for c in self._controls.values():
+            c.close()
         for i, p in enumerate(self.procs):
             if p is not None and p.poll() is None:
                 p.terminate()
@@ -377,8 +392,11 @@ def two_workers(tmp_path_factory):
 
 @pytest.fixture
 def workers(two_workers):
+    """Both workers running, their test controls reset (and reset again after the test)."""
     two_workers.ensure_alive()
-    return two_workers
+    two_workers.reset()
+    yield two_workers
+    two_workers.reset()
 
 
 def open_stream(http: httpx.Client, base_url: str, key: str, body: dict, path: str = "/v1/chat/completions"):

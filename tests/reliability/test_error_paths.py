@@ -2,10 +2,13 @@
 TPM reservation is refunded.
 
 Paths, each streamed and not: an upstream error in the middle of the generation (the worker fails the
-call with INTERNAL: test-only fault injection, worker/server.py), the gateway's request timeout (504 /
-error event), the client going away (a stream closed after two chunks, a plain request whose client
-times out) and a validation failure after admission (the worker refuses the request with
-INVALID_ARGUMENT: 400).
+call with INTERNAL after 3 messages), the model's forward pass failing in the middle of the generation
+(the engine's real failure path), the gateway's request timeout (504 / error event), the client going
+away (a stream closed after two chunks, a plain request whose client times out) and a validation
+failure after admission (the worker refuses the request with INVALID_ARGUMENT: 400). The faults are
+the test workers' (tests/support/worker_control.py). Where the path needs a generation that is still
+going (timeouts, the client leaving), the worker stops relaying after a few messages (`stall_after`),
+so the request cannot finish first on a fast machine.
 
 The check is exact: with the TPM bucket seeded at 2000 tokens, after the request the stored bucket is
 ``2000 + refill - used`` where ``used`` is what the gateway settled (prompt + completion tokens it
@@ -50,15 +53,20 @@ def used_tokens(gw: InProcessGateway) -> float:
 BODY = {"model": MODEL, "messages": HELLO, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
+FAULTS = {  # path -> the fault armed on both workers for the tenant's next request
+    "upstream_error": dict(kind="error_after", after=3, times=1),
+    "model_forward_failure": dict(kind="forward_error", after=2),
+    "rejected_after_admission": dict(kind="reject", times=1),
+    "gateway_timeout": dict(kind="stall_after", after=1),
+    "client_cancel": dict(kind="stall_after", after=4),
+}
+
+
 def run_path(gw: InProcessGateway, path: str, stream: bool) -> str:
     """Send one request that fails on `path`; return what the client saw (for the report)."""
     http = httpx.Client(timeout=60)
     url = gw.base_url + "/v1/chat/completions"
     body = dict(BODY)
-    if path == "upstream_error":
-        body["cache_salt"] = "fault:error-after:3"
-    elif path == "rejected_after_admission":
-        body["cache_salt"] = "fault:reject"
     try:
         if path == "client_cancel":  # (streams: in the test itself)
             with pytest.raises(httpx.ReadTimeout):
@@ -82,11 +90,14 @@ def run_path(gw: InProcessGateway, path: str, stream: bool) -> str:
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
-@pytest.mark.parametrize("path", ["upstream_error", "gateway_timeout", "client_cancel", "rejected_after_admission"])
-def test_error_path_releases_lease_and_refunds_unused(gw, two_workers, path, stream):
+@pytest.mark.parametrize("path", ["upstream_error", "model_forward_failure", "gateway_timeout", "client_cancel",
+                                  "rejected_after_admission"])
+def test_error_path_releases_lease_and_refunds_unused(gw, workers, path, stream):
     r = redis.Redis.from_url(gw.redis_url)
     tpm_key = f"{gw.prefix}:{{ep}}:tpm"
-    wait_until(lambda: not gw.gw.live, 10, "previous requests settled")
+    wait_until(lambda: not gw.gw.live, "previous requests settled")
+    for i in range(2):  # the request may go to either worker
+        workers.control(i).inject(tenant="ep", **FAULTS[path])
     before_used = used_tokens(gw)
     s, us = r.time()
     ts0 = s * 1000 + us / 1000
@@ -109,16 +120,16 @@ def test_error_path_releases_lease_and_refunds_unused(gw, two_workers, path, str
         assert "timeout" in seen, seen
     if path == "rejected_after_admission":
         assert seen.startswith("400"), seen
-    if path == "upstream_error":
+    if path in ("upstream_error", "model_forward_failure"):
         assert "service_unavailable" in seen, seen
 
-    wait_until(lambda: not gw.gw.live and not gw.gw.control.live, 10, "settled")
+    wait_until(lambda: not gw.gw.live and not gw.gw.control.live, "settled")
     assert lease_state(r, gw.prefix, "ep") == (set(), set())
     used = used_tokens(gw) - before_used
     t, ts = (float(x) for x in r.hmget(tpm_key, ["t", "ts"]))
     expected = SEED + (ts - ts0) * RATE - used
     assert t == pytest.approx(expected, abs=1e-3), (t, expected, used)
     assert used < MAX_TOKENS  # so a missing refund could not hide
-    wait_until(lambda: all(idle(a) for a in two_workers.addrs), 10, "workers idle, KV blocks free")
+    wait_until(lambda: all(idle(a) for a in workers.addrs), "workers idle, KV blocks free")
     print(f"\n{path} ({'stream' if stream else 'plain'}): {seen}; used {used:.0f} of "
           f"{MAX_TOKENS}+prompt reserved, refunded the rest")

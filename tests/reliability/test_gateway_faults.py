@@ -8,10 +8,17 @@ gateway admits a request that needs all of it), and the worker has aborted the o
 SIGTERM: the gateway stops accepting connections, answers 503 to requests still arriving, lets open
 streams finish for its drain timeout (3 s here), ends the ones still open with an OpenAI error event,
 releases their leases and exits.
+
+States by construction (test workers, tests/support): for the kill, both streams are run to their
+first token and the worker's engine is held, so they are mid-generation when the gateway dies and
+the worker must abort them without another iteration; the expiry is read from the leases' stored
+expiry times (Redis time), not timed. For SIGTERM the long stream's worker stops relaying after its
+first message (`stall_after`), so it is still open at the drain deadline on any machine.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -19,8 +26,10 @@ import redis
 
 from tests.reliability.conftest import (HELLO, MODEL, GatewayProcess, assert_error_object, idle, lease_state,
                                         live_leases, open_stream, read_stream, tenant_load, wait_until)
+from tests.support.waits import join_all
 
 BUDGET = 1200  # the tenant's in-flight tokens
+STALL = "[inject:stall]"  # prompt marker of the stream the worker stops relaying
 
 
 def test_gateway_kill9_leases_expire_within_ttl(workers, redis_url, tmp_path):
@@ -30,12 +39,20 @@ def test_gateway_kill9_leases_expire_within_ttl(workers, redis_url, tmp_path):
     args = ("--lease-ttl-s", "2", "--log-level", "warning")
     env = {"FAIRSHARE_KEY_PREFIX": prefix}
     g1 = GatewayProcess(tmp_path, tenants, [workers.addrs[0]], redis_url, *args, env=env).wait_ready()
+    control = workers.control(0)
     http = httpx.Client(timeout=60)
     g2 = None
     try:
         p = g1.client("gk").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).usage.prompt_tokens
         half = {"model": MODEL, "messages": HELLO, "max_tokens": BUDGET // 2 - p, "ignore_eos": True}
-        streams = [open_stream(http, g1.base_url, g1.keys["gk"], half) for _ in range(2)]
+        control.hold()
+        streams: list[httpx.Response] = []
+        openers = [threading.Thread(target=lambda: streams.append(open_stream(http, g1.base_url, g1.keys["gk"], half)))
+                   for _ in range(2)]
+        for t in openers:
+            t.start()
+        control.run_until_tokens("gk", requests=2, tokens=1)  # both mid-generation, the engine held
+        join_all(openers, "both streams opened")
         assert [s.status_code for s in streams] == [200, 200]
         full = open_stream(http, g1.base_url, g1.keys["gk"], {**half, "max_tokens": BUDGET - p})
         full.read()
@@ -45,15 +62,22 @@ def test_gateway_kill9_leases_expire_within_ttl(workers, redis_url, tmp_path):
 
         t_kill = time.monotonic()
         g1.kill()
+        redis_s, redis_us = r.time()
+        killed_at_ms = redis_s * 1000 + redis_us / 1000
         for s in streams:
             s.close()
-        assert len(live_leases(r, prefix, "gk")) == 2  # nobody settled them
-        # the worker aborts the orphaned generations (their streams died with the gateway)
-        t_abort = wait_until(lambda: tenant_load(workers.addrs[0], "gk").running == 0, 5, "worker aborted them")
-        wait_until(lambda: idle(workers.addrs[0]), 5, "every KV block free")
-        wait_until(lambda: not live_leases(r, prefix, "gk"), 4, "leases expired")
+        expiries = dict(r.zrange(f"{prefix}:{{gk}}:leases", 0, -1, withscores=True))
+        assert len(expiries) == 2 and len(live_leases(r, prefix, "gk")) == 2  # nobody settled them
+        # ...and nobody renews them: each expires at most one TTL (2 s) after the kill, by its stored expiry
+        assert all(e <= killed_at_ms + 2000 for e in expiries.values()), (expiries, killed_at_ms)
+        # the worker aborts the orphaned generations (their streams died with the gateway), with its
+        # engine still held: the abort needs no further iteration
+        t_abort = wait_until(lambda: tenant_load(workers.addrs[0], "gk").running == 0, "worker aborted them")
+        wait_until(lambda: idle(workers.addrs[0]), "every KV block free")
+        assert control.state()["held"]
+        control.release()
+        wait_until(lambda: not live_leases(r, prefix, "gk"), "leases expired")
         since_kill = time.monotonic() - t_kill
-        assert since_kill <= 2.0 + 0.5, since_kill
 
         # a new gateway (same port) admits a request needing the tenant's whole in-flight budget
         g2 = GatewayProcess(tmp_path, None, [workers.addrs[0]], redis_url, *args, port=g1.port, env=env,
@@ -61,7 +85,7 @@ def test_gateway_kill9_leases_expire_within_ttl(workers, redis_url, tmp_path):
         s = open_stream(http, g2.base_url, g2.keys["gk"], {**half, "max_tokens": BUDGET - p})
         assert s.status_code == 200, s.read()
         s.close()
-        wait_until(lambda: lease_state(r, prefix, "gk")[1] == set(), 10, "released")
+        wait_until(lambda: lease_state(r, prefix, "gk")[1] == set(), "released")
         print(f"\ngateway kill -9: worker aborted after {t_abort:.2f} s, leases expired {since_kill:.2f} s "
               f"after the kill (TTL 2 s)")
     finally:
@@ -79,10 +103,11 @@ def test_gateway_sigterm_finishes_open_streams_then_stops_the_rest(workers, redi
                        env={"FAIRSHARE_KEY_PREFIX": prefix}).wait_ready()
     http = httpx.Client(timeout=60)
     try:
+        workers.control(1).inject("stall_after", after=1, prompt_contains=STALL)
         short = open_stream(http, g.base_url, g.keys["gt"], {"model": MODEL, "messages": HELLO, "max_tokens": 20,
                                                              "ignore_eos": True})
-        long = open_stream(http, g.base_url, g.keys["gt"], {"model": MODEL, "messages": HELLO, "max_tokens": 1500,
-                                                            "ignore_eos": True})
+        long = open_stream(http, g.base_url, g.keys["gt"], {"model": MODEL, "max_tokens": 1500, "ignore_eos": True,
+                                                            "messages": [{"role": "user", "content": f"Hi {STALL}"}]})
         assert short.status_code == long.status_code == 200
         t_term = time.monotonic()
         g.term()
@@ -102,12 +127,11 @@ def test_gateway_sigterm_finishes_open_streams_then_stops_the_rest(workers, redi
         assert not done and events and "error" in events[-1], events[-2:]
         err = assert_error_object(events[-1])
         assert "shutting down" in err["message"] and err["code"] == "service_unavailable"
-        assert 2.5 <= t_stop <= 6.0, t_stop
-        g.proc.wait(15)
+        assert t_stop >= 2.5, t_stop  # not before the drain deadline (a lower bound: a slow machine only adds)
+        wait_until(lambda: g.proc.poll() is not None, "the gateway exited after its drain")
         t_exit = time.monotonic() - t_term
-        assert t_exit <= 8.0
         assert lease_state(r, prefix, "gt") == (set(), set())  # settled before exiting, not left to expire
-        wait_until(lambda: idle(workers.addrs[1]), 5, "the worker aborted the stopped stream")
+        wait_until(lambda: idle(workers.addrs[1]), "the worker aborted the stopped stream")
         assert "drain deadline reached: stopping 1 open request(s)" in g.log()
         print(f"\ngateway SIGTERM: long stream stopped at {t_stop:.1f} s, exit at {t_exit:.1f} s (drain 3 s)")
     finally:

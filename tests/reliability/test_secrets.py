@@ -66,7 +66,10 @@ def test_keys_never_in_logs_traces_metrics_or_redis(workers, redis_url, tmp_path
         stored = []
         rc = redis.Redis.from_url(redis_url)
         # scan while a request is in flight: its buckets were just touched and its lease is held (bucket
-        # keys expire about a second after their last use, which a loaded machine can overrun)
+        # keys expire about a second after their last use, which a loaded machine can overrun); its worker
+        # stops relaying after the first message until the scan is done, so it is in flight on any machine
+        for i in range(2):
+            workers.control(i).inject("stall_after", tenant="sec-a", after=1, times=1)
         live = g.client("sec-a").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=64, stream=True)
         next(iter(live))
         for k in rc.scan_iter(match=f"{prefix}:*"):
@@ -76,9 +79,10 @@ def test_keys_never_in_logs_traces_metrics_or_redis(workers, redis_url, tmp_path
                 stored += [f"{a.decode()}={b.decode()}" for a, b in rc.hgetall(k).items()]
             elif t == "zset":
                 stored += [m.decode() for m in rc.zrange(k, 0, -1)]
+        for i in range(2):
+            workers.control(i).release_stalled()
         for _ in live:
             pass
-        time.sleep(0.5)  # let the console exporter flush the last spans
     finally:
         g.stop()
     out = g.log()

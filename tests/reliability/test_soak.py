@@ -6,6 +6,12 @@ again later (it rejoins when it is ready).
 Every answer is a success or an OpenAI-shaped error (never a 500, never a traceback); a stream ends
 with ``[DONE]``, an OpenAI error event, or the client's own hang-up. At the end nothing is left:
 zero leases in Redis, no lease held or owed by the gateway, and every KV block free on both workers.
+
+The upstream errors and refusals are the test workers' faults (tests/support/worker_control.py),
+for requests whose prompt carries a marker; the restarted worker has them from its start. For the
+kill, the "long" responses sent from a third of the way on stop after two messages (`stall_after`)
+until the kill, so one is certainly in progress on the victim when it dies, on any machine; the
+survivor's are then let go.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ LONG_TOKENS = 40
 CONCURRENCY = 8
 KINDS = [("plain", 26), ("stream", 20), ("long", 10), ("disconnect", 10), ("client_timeout", 10),
          ("gateway_timeout", 3), ("upstream_error", 8), ("reject", 5), ("invalid", 5), ("n2", 4)]
+MARK_ERROR, MARK_REJECT, MARK_LONG = "[inject:error-after-2]", "[inject:reject]", "[inject:long]"
+FAULTS = [dict(kind="error_after", after=2, prompt_contains=MARK_ERROR),
+          dict(kind="reject", prompt_contains=MARK_REJECT)]
 TENANTS = [
     {"id": "soak-a", "tier": "interactive", "limits": {"tpm": 10**6, "max_inflight_tokens": 6000}},
     {"id": "soak-b", "tier": "batch", "limits": {"tpm": 10**6, "max_concurrent_requests": 3}},
@@ -35,7 +44,8 @@ TENANTS = [
 
 def one(gw: InProcessGateway, i: int, kind: str, tenant: str, rng: random.Random) -> dict:
     url = gw.base_url + "/v1/chat/completions"
-    body = {"model": MODEL, "messages": [{"role": "user", "content": f"soak request {i}"}],
+    mark = {"upstream_error": MARK_ERROR, "reject": MARK_REJECT, "long": MARK_LONG}.get(kind, "")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"soak request {i} {mark}"}],
             "max_tokens": rng.randint(1, 8)}
     stream = kind in ("stream", "long", "disconnect") or (kind in ("gateway_timeout", "upstream_error", "reject")
                                                  and rng.random() < 0.5)
@@ -47,11 +57,8 @@ def one(gw: InProcessGateway, i: int, kind: str, tenant: str, rng: random.Random
     if kind == "long":  # a response that takes a few seconds: the worker kill lands in one of these
         body.update(max_tokens=LONG_TOKENS, ignore_eos=True)
     if kind == "upstream_error":
-        body["cache_salt"] = "fault:error-after:2"
         body["max_tokens"] = 8
         body["ignore_eos"] = True
-    if kind == "reject":
-        body["cache_salt"] = "fault:reject"
     if kind == "invalid":
         body["max_tokens"] = rng.choice([-1, 0, "8", 10**12])
     if kind == "n2":
@@ -123,18 +130,24 @@ def test_soak_200_requests_with_faults_leaves_nothing_behind(workers, redis_url,
             done_count[0] += 1
         return rec
 
+    workers.inject_rules = list(FAULTS)  # for the restarted worker too
+    for i in range(2):
+        for rule in FAULTS:
+            workers.control(i).inject(**rule)
     t0 = time.monotonic()
     try:
         with ThreadPoolExecutor(CONCURRENCY) as pool:
             futures = [pool.submit(task, *p) for p in plan]
-            wait_until(lambda: done_count[0] >= N // 3, 120, "a third done")
+            wait_until(lambda: done_count[0] >= N // 3, "a third done")
+            for i in range(2):  # from now on "long" responses stop after two messages, until the kill
+                workers.control(i).inject("stall_after", after=2, prompt_contains=MARK_LONG)
             victim = []
-            wait_until(lambda: victim.append(streaming_from(gw)) or victim[-1], 60, "a long response streaming",
-                       interval_s=0.005)
+            wait_until(lambda: victim.append(streaming_from(gw)) or victim[-1], "a long response streaming")
             k = workers.addrs.index(victim[-1])
             workers.kill(k)  # a real worker fault in the middle of the soak, with a response streaming from it
             killed_at = done_count[0]
-            wait_until(lambda: done_count[0] >= N // 2, 120, "half done")
+            workers.control(1 - k).release_stalled()  # the survivor's long responses go on
+            wait_until(lambda: done_count[0] >= N // 2, "half done")
             workers.start_async(k)  # it comes back while the soak goes on
             restarted_at = done_count[0]
             records = [f.result(timeout=300) for f in futures]
@@ -162,11 +175,11 @@ def test_soak_200_requests_with_faults_leaves_nothing_behind(workers, redis_url,
         assert hit, "the kill interrupted responses in progress"
 
         # nothing left behind: no lease (in Redis or the gateway), every KV block free
-        wait_until(lambda: not gw.gw.live and not gw.gw.control.live, 20, "every request settled")
+        wait_until(lambda: not gw.gw.live and not gw.gw.control.live, "every request settled")
         assert gw.gw.control.owed == {} and gw.gw.control.local.held() == []
         for t in TENANTS:
             assert lease_state(r, gw.prefix, t["id"]) == (set(), set()), t["id"]
         workers.ensure_alive()
-        wait_until(lambda: all(idle(a) for a in workers.addrs), 20, "every KV block free on both workers")
+        wait_until(lambda: all(idle(a) for a in workers.addrs), "every KV block free on both workers")
     finally:
         gw.stop()

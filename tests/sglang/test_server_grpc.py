@@ -15,18 +15,26 @@ import grpc
 import pytest
 
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.waits import wait_for_async
 from worker import sglang_server as ss
 from worker.sglang_plugin import tenant as tn
 
 
 class FakeTokenizerManager:
-    def __init__(self, incremental=False, tokens_per_step=1, steps=4, delay=0.01):
+    """until_aborted: after the first step, produce nothing more until the request is aborted (a
+    generation that is certainly still going when the test aborts or cancels it, on any machine)."""
+
+    def __init__(self, incremental=False, tokens_per_step=1, steps=4, delay=0.01, until_aborted=False):
         self.incremental_streaming_output = incremental
         self.tokens_per_step, self.steps, self.delay = tokens_per_step, steps, delay
+        self.until_aborted = until_aborted
         self.requests, self.aborted = [], []
+        self._abort_events: dict[str, asyncio.Event] = {}
 
     def abort_request(self, rid="", abort_all=False):
         self.aborted.append(rid)
+        if rid in self._abort_events:
+            self._abort_events[rid].set()
 
     async def generate_request(self, obj, request=None):
         self.requests.append(obj)
@@ -37,8 +45,11 @@ class FakeTokenizerManager:
                 "prompt_tokens": len(prompt), "completion_tokens": 0}}
             return
         limit = obj["sampling_params"]["max_new_tokens"]
+        self._abort_events[obj["rid"]] = asyncio.Event()
         for step in range(self.steps):
             await asyncio.sleep(self.delay)
+            if self.until_aborted and step > 0:
+                await self._abort_events[obj["rid"]].wait()
             if obj["rid"] in self.aborted:
                 yield {"output_ids": [] if self.incremental_streaming_output else list(out),
                        "meta_info": {"finish_reason": {"type": "abort", "message": "Aborted"},
@@ -106,7 +117,7 @@ async def test_generate_streams_tokens_and_usage(incremental, per_step):
 
 
 async def test_abort_rpc_and_stream_cancel_abort_in_sglang():
-    engine = FakeEngine(steps=50, delay=0.02)
+    engine = FakeEngine(steps=50, delay=0.02, until_aborted=True)
     server, channel, stub, servicer = await _serve(engine)
     try:
         call = stub.Generate(_request("r-abort", max_tokens=100))
@@ -123,12 +134,9 @@ async def test_abort_rpc_and_stream_cancel_abort_in_sglang():
         call2 = stub.Generate(_request("r-cancel", max_tokens=100))
         await call2.read()
         call2.cancel()                                   # the gateway went away
-        for _ in range(100):
-            if ss.sglang_rid("r-cancel") in engine.tokenizer_manager.aborted:
-                break
-            await asyncio.sleep(0.02)
-        assert ss.sglang_rid("r-cancel") in engine.tokenizer_manager.aborted
-        assert "r-cancel" not in servicer.live
+        await wait_for_async(lambda: ss.sglang_rid("r-cancel") in engine.tokenizer_manager.aborted,
+                             "the cancelled stream aborted in SGLang")
+        await wait_for_async(lambda: "r-cancel" not in servicer.live, "the cancelled request no longer live")
     finally:
         await channel.close()
         await server.stop(None)

@@ -9,9 +9,12 @@ import sys
 import pytest
 
 from loadtests.workloads import TenantLoad, Workload, all_workloads, get_workload, quota_workloads
+from tests.support.skips import require_module
 from worker.scheduling.metrics import compute_metrics
 from worker.sim.driver import run_workload
 from worker.sim.runner import IterationTimeModel, SimItem, SimulatedRunner, VirtualClock
+
+MATPLOTLIB_HINT = "pip install -e '.[loadtest]' (make install does)"
 
 TIME = IterationTimeModel(a=0.02, b=1e-4, c=5e-4, d=5e-6, source="test")
 # the report's CPU profile (loadtests/profiles/cpu-random-tiny.json), fixed here so that the test does
@@ -97,7 +100,7 @@ def test_weighted_workload_serves_in_proportion_to_weights():
 
 
 def test_report_writes_markdown_table_and_plots(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib", MATPLOTLIB_HINT)
     from worker.sim.report import benchmark_lines, run_benchmark, write_report
 
     bench = run_benchmark([short("overload", 30.0), short("on-off", 30.0)], ["vtc", "fcfs"], TIME, rate_scale=1.0)
@@ -112,7 +115,7 @@ def test_report_writes_markdown_table_and_plots(tmp_path):
 
 
 def test_report_has_the_kv_quota_section_side_by_side(tmp_path):
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib", MATPLOTLIB_HINT)
     from worker.sim.report import run_benchmark, summary_rows, write_report
 
     flood = dataclasses.replace(get_workload("memory-flood"), duration_s=60.0)

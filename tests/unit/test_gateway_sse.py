@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from gateway.sse import DONE, SSEResponse, event
+from tests.support.waits import wait_for_async
 
 SCOPE = {"type": "http", "asgi": {"spec_version": "2.3"}, "method": "POST", "path": "/"}
 
@@ -90,11 +91,9 @@ async def test_disconnect_mid_stream_notifies_at_once():
             first_sent.set()
 
     task = asyncio.ensure_future(resp(SCOPE, receive, send))
-    for _ in range(100):
-        if calls["gone"]:
-            break
-        await asyncio.sleep(0.01)
-    assert calls["gone"] == 1  # noticed while the generator was waiting, not at the next write
+    # noticed while the generator is still waiting (`release` is not set), not at the next write
+    await wait_for_async(lambda: calls["gone"], "the disconnect noticed while the generator waits")
+    assert calls["gone"] == 1 and not release.is_set()
     release.set()
-    await asyncio.wait_for(task, 5)
+    await asyncio.wait_for(task, 60)
     assert calls["closed"] == 1 and calls["gen_finally"] == 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import jinja2
@@ -38,14 +37,14 @@ def test_smollm2_converts_once_then_loads_from_cache(tmp_path, monkeypatch):
     assert json.loads((cached / "tokenizer_config.json").read_text())["chat_template"] == first.chat_template
     assert not [p for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name]  # no temp dir left
 
-    # second load: must not touch the GGUF file at all
+    # second load: the fast path reads the cache only: the GGUF file is never touched, nothing is
+    # rewritten (its time is a benchmark's figure: scripts/bench_model_load.py)
     monkeypatch.setattr(models, "read_gguf", _no_gguf)
     monkeypatch.setattr(models, "_convert_smollm2", _no_gguf)
-    t = time.perf_counter()
+    stamps = {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in cached.iterdir()}
     second = load_model("smollm2", cache_dir=tmp_path, progress=False)
-    elapsed = time.perf_counter() - t
     assert second.model_dir == cached
-    assert elapsed < 10, elapsed  # ~0.3 s on a quiet 2-core box; generous for a loaded CI runner
+    assert {p.name: (p.stat().st_mtime_ns, p.stat().st_size) for p in cached.iterdir()} == stamps
     assert second.name == SMOLLM2_NAME
     c = second.config
     assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == (30, 576, 9, 3, 64, 49152)

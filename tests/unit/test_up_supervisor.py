@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from fairshare.supervisor import ChildSpec, CrashLoop, Supervisor, describe_exit, spawn, stop_child
+from tests.support.waits import wait_for
 
 
 class Clock:
@@ -38,15 +39,9 @@ def sleeper_spec(tmp_path, name="worker", ready=None, serving=None) -> ChildSpec
     return ChildSpec(name, start, is_ready, ready_timeout_s=60, serving=serving, back_note="it is back for real")
 
 
-def step_until(sup, pred, what: str, timeout_s: float = 60) -> None:
+def step_until(sup, pred, what: str) -> None:
     """Run supervisor steps (the fake clock stands still) until `pred()`; fails naming `what`."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        sup.step()
-        time.sleep(0.02)
+    wait_for(lambda: pred() or sup.step(), what)
 
 
 def back(sup) -> bool:
