@@ -3,9 +3,11 @@ through a workers file and through a DNS name, a worker added while the gateway 
 drained with SIGTERM in the middle of load.
 
 Every wait is on a state (the gateway's routing table in /readyz, the workers' own GetLoad and logs)
-and fails naming it; nothing depends on how fast the machine is. The time from adding a worker to a
-request landing on it is measured and printed (design bound: one discovery interval, 5 s by
-default, plus one health check).
+and fails naming it; nothing depends on how fast the machine is: the drained worker is kept draining
+by a stream its test control stalls (tests/support/worker_control.py ``stall_after``), not by a
+request long enough to outlast the test. The time from adding a worker to a request finishing on it
+is measured and printed, never asserted (design bound: one discovery interval, 5 s by default, plus
+one health check).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from fairshare.procs import free_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import start_worker, stop_worker
+from tests.support.control_client import WorkerControl
 from tests.reliability.conftest import MODEL, GatewayProcess, get_load, tenant_load, wait_until
 
 TENANT = "pool-t"
@@ -97,15 +100,27 @@ class Load:
             t.join(180)
 
 
-def long_stream(addr: str) -> tuple[grpc.Channel, object]:
-    """A Generate call straight to a worker that decodes for a long time (held open by the test)."""
+HOLDER = "holder"
+
+
+def held_open_stream(addr: str, control: WorkerControl) -> tuple[grpc.Channel, object]:
+    """A Generate call straight to a worker whose stream stays open until the test cancels it: the
+    worker's test control stalls it after its first message, so the worker has a request in flight
+    (and a SIGTERM drain waits on it) however fast the engine runs."""
+    control.inject("stall_after", tenant=HOLDER, after=1)
     ch = grpc.insecure_channel(addr)
-    req = pb.GenerateRequest(request_id="hold-open", tenant=pb.Tenant(id="holder", weight=1.0),
+    req = pb.GenerateRequest(request_id="hold-open", tenant=pb.Tenant(id=HOLDER, weight=1.0),
                              prompt_token_ids=list(range(5, 25)),
-                             sampling=pb.SamplingParams(max_tokens=1900, ignore_eos=True, temperature=0))
+                             sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True, temperature=0))
     call = pb_grpc.WorkerStub(ch).Generate(req)
-    next(call)  # its first token: it runs on the worker now
+    next(call)  # its first message: it is live on the worker now
+    wait_for_stalled(control)
     return ch, call
+
+
+def wait_for_stalled(control: WorkerControl) -> None:
+    wait_until(lambda: any(e["kind"] == "stalled" for e in control.events(tenant=HOLDER)),
+               "the held-open stream stalled by the worker's test control")
 
 
 def test_added_worker_is_used_and_a_draining_worker_leaves_routing_before_it_stops(tmp_path, worker_a, redis_url):
@@ -124,17 +139,18 @@ def test_added_worker_is_used_and_a_draining_worker_leaves_routing_before_it_sto
         t0 = time.monotonic()
         workers_file.write_text(f"{worker_a}\n{worker_b}\n")
         load = Load(gw).start()
-        wait_until(lambda: usable(gw, worker_b), 120, f"the gateway's routing table lists {worker_b} as usable")
-        wait_until(lambda: finished_on(worker_b) > 0, 120, f"a request routed by the gateway finished on {worker_b}")
+        wait_until(lambda: usable(gw, worker_b), f"the gateway's routing table lists {worker_b} as usable")
+        wait_until(lambda: finished_on(worker_b) > 0, f"a request routed by the gateway finished on {worker_b}")
         used_s = time.monotonic() - t0
         print(f"\nworker added to the workers file -> a request finished on it: {used_s:.1f} s "
               f"(discovery interval 5 s)")
         assert routing_table(gw)[worker_b]["worker_id"], "ModelInfo.worker_id reaches the routing table"
         # -- SIGTERM mid-load: it leaves routing before it stops; no request fails ---------------------
-        hold_ch, hold = long_stream(worker_b)  # keeps B draining until the test lets it go
+        control_b = WorkerControl(worker_b)
+        hold_ch, hold = held_open_stream(worker_b, control_b)  # keeps B draining until the test lets it go
         b_proc.send_signal(15)
-        wait_until(lambda: get_load(worker_b).draining, 60, f"{worker_b} reports draining after SIGTERM")
-        wait_until(lambda: not usable(gw, worker_b), 60, f"the gateway takes the draining {worker_b} out of routing")
+        wait_until(lambda: get_load(worker_b).draining, f"{worker_b} reports draining after SIGTERM")
+        wait_until(lambda: not usable(gw, worker_b), f"the gateway takes the draining {worker_b} out of routing")
         assert b_proc.poll() is None, "the worker must still be draining while the gateway takes it out"
 
         def gateway_work_on_b_done() -> bool:
@@ -142,14 +158,16 @@ def test_added_worker_is_used_and_a_draining_worker_leaves_routing_before_it_sto
             return t is None or (t.running == 0 and t.waiting == 0)
 
         # what the gateway had sent B before it left routing finishes there (that is the drain)
-        wait_until(gateway_work_on_b_done, 120, f"the gateway's requests already on {worker_b} finished")
+        wait_until(gateway_work_on_b_done, f"the gateway's requests already on {worker_b} finished")
         served_on_b = finished_on(worker_b)
         ok_before = load.ok
-        wait_until(lambda: load.ok >= ok_before + 20, 300, "20 more requests through the gateway after B left routing")
+        wait_until(lambda: load.ok >= ok_before + 20, "20 more requests through the gateway after B left routing")
         assert finished_on(worker_b) == served_on_b, "the gateway sent work to a worker it had taken out"
         assert finished_on(worker_a) > 0
+        assert b_proc.poll() is None, "B drains while its held-open stream is in flight"
         hold.cancel()  # let B finish draining: it exits by itself
         hold_ch.close()
+        control_b.close()
         b_proc.wait(120)
         assert b_proc.returncode == 0
         load.stop()
