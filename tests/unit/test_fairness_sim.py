@@ -158,7 +158,7 @@ def test_report_has_the_tiers_section_side_by_side(tmp_path):
     tenant beside a background flood. With tiers and the iteration target its TTFT p99 stays within
     1.5x its solo p99; every tier-aware run leaves the background at least its minimum share; FCFS
     queues the interactive tenant behind the flood."""
-    pytest.importorskip("matplotlib")
+    require_module("matplotlib", MATPLOTLIB_HINT)
     from worker.sim.report import benchmark_lines, run_benchmark, write_report
     from worker.sim.tier_report import RATIO_GOAL
 
