@@ -86,7 +86,7 @@ def stop_worker(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(15)
+        proc.wait(timeout_s)
 
 
 @pytest.fixture(scope="session")

@@ -103,30 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# ---- model names (also used by worker/sglang_server.py) ---------------------------------------------
-def add_served_name_arguments(p: argparse.ArgumentParser) -> None:
-    """`--served-model-name A [B ...]` (the names clients use, as in vLLM; the first is the primary one,
-    reported in GetModelInfo.model_name, all in served_model_names) and its one-name predecessor
-    `--model-name`."""
-    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="names clients may use for this model (default: the model's own name); the first is "
-                        "the primary name")
-    p.add_argument("--model-name", default=None, help="one name to serve under (same as --served-model-name NAME)")
-
-
-def served_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str] | None:
-    """The model names to serve under, without duplicates, the first one primary (None: the model's
-    own name). Calls `p.error` (exit 2) when both flags are given or a name is empty."""
-    if args.served_model_name and args.model_name:
-        p.error("give either --served-model-name or --model-name, not both")
-    names = list(args.served_model_name or ([args.model_name] if args.model_name else []))
-    if not names:
-        return None
-    if not all(n.strip() for n in names):
-        p.error("--served-model-name: names must not be empty")
-    return list(dict.fromkeys(n.strip() for n in names))
-
-
 # ---- tier flags (docs/fairness.md, "Tiers"; EngineConfig.tier_*) ------------------------------------
 def _tier_share(text: str) -> tuple[str, float]:
     """argparse type for TIER=FRAC: a lower tier (batch, background) and its minimum share of service."""
@@ -179,6 +155,30 @@ def tier_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     return {"tier_scheduling": bool(args.tier_scheduling), "tier_min_shares": shares,
             "iteration_token_target": args.iteration_token_target}
 # ---- end of tier flags ---------------------------------------------------------------------------------
+
+
+# ---- model names (also used by worker/sglang_server.py) ---------------------------------------------
+def add_served_name_arguments(p: argparse.ArgumentParser) -> None:
+    """`--served-model-name A [B ...]` (the names clients use, as in vLLM; the first is the primary one,
+    reported in GetModelInfo.model_name, all in served_model_names) and its one-name predecessor
+    `--model-name`."""
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients may use for this model (default: the model's own name); the first is "
+                        "the primary name")
+    p.add_argument("--model-name", default=None, help="one name to serve under (same as --served-model-name NAME)")
+
+
+def served_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str] | None:
+    """The model names to serve under, without duplicates, the first one primary (None: the model's
+    own name). Calls `p.error` (exit 2) when both flags are given or a name is empty."""
+    if args.served_model_name and args.model_name:
+        p.error("give either --served-model-name or --model-name, not both")
+    names = list(args.served_model_name or ([args.model_name] if args.model_name else []))
+    if not names:
+        return None
+    if not all(n.strip() for n in names):
+        p.error("--served-model-name: names must not be empty")
+    return list(dict.fromkeys(n.strip() for n in names))
 
 
 # ---- KV quota flags (docs/memory-isolation.md; EngineConfig.kv_*) ------------------------------------
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     kv_quota = kv_quota_settings(parser, args)
-    names = served_names(parser, args)
     tiers = tier_settings(parser, args)
+    names = served_names(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
         print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)

@@ -91,15 +91,15 @@ def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
         msg.timings.queued_s = out.queued_s
     if out.first_token_s is not None:
         msg.timings.first_token_s = out.first_token_s
-    for tok, lp, top in out.logprobs:
-        entry = msg.logprobs.add(token_id=tok, logprob=lp)
-        for alt, alt_lp in top:
-            entry.top.add(token_id=alt, logprob=alt_lp)
     if out.queued_iterations is not None:
         msg.timings.queued_iterations = out.queued_iterations
     if out.first_token_iterations is not None:
         msg.timings.first_token_iterations = out.first_token_iterations
     msg.timings.iteration = out.iteration
+    for tok, lp, top in out.logprobs:
+        entry = msg.logprobs.add(token_id=tok, logprob=lp)
+        for alt, alt_lp in top:
+            entry.top.add(token_id=alt, logprob=alt_lp)
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.prompt_tokens = out.prompt_tokens

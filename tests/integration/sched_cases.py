@@ -10,15 +10,14 @@ never came. Orders of events across streams are read from the engine iteration e
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 
 import grpc
-import pytest
 
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import start_worker, stop_worker
+from tests.support import waits
 
 TIER = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TIER_BATCH,
         "background": worker_pb2.TIER_BACKGROUND}
@@ -110,15 +109,15 @@ def tiers(ld) -> dict:
 
 
 def wait_for(stub, cond, state: str, timeout_s: float = WAIT_S):
-    """GetLoad until `cond(load)` holds and return that load; fail naming `state` when it never comes."""
-    deadline = time.monotonic() + timeout_s
-    ld = load(stub)
-    while not cond(ld):
-        if time.monotonic() > deadline:
-            pytest.fail(f"the worker never reached the state: {state} (waited {timeout_s:.0f} s); last GetLoad:\n{ld}")
-        time.sleep(0.02)
-        ld = load(stub)
-    return ld
+    """GetLoad until `cond(load)` holds and return that load; fail naming `state` (and the last
+    GetLoad) when it never comes (tests/support/waits.py)."""
+    last = [None]
+
+    def reached():
+        last[0] = load(stub)
+        return last[0] if cond(last[0]) else None
+
+    return waits.wait_for(reached, lambda: f"the worker's state: {state}; last GetLoad:\n{last[0]}", timeout_s)
 
 
 def worker(tmp_path_factory, name: str, *flags: str):

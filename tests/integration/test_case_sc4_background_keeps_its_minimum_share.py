@@ -3,7 +3,7 @@ worker saturated; tenant `bulk` (background, minimum share 5 %) is backlogged th
 value: `bulk` receives at least 5 % of the charged service over the window (less one prefill
 chunk); it is never starved for longer than the window the minimum share implies.
 
-The window is counted in engine iterations, not seconds: chat's 120 requests and bulk's 40 are
+The window is counted in engine iterations, not seconds: chat's 200 requests and bulk's 40 are
 sized (in tokens) so that both tiers stay backlogged for far more than the 400 iterations measured
 on a worker with 8 running slots and a 256-token chunk, and the test waits on GetLoad's iteration
 counter and each tier's `backlogged` flag (a wait that fails names the state that never came).

@@ -118,12 +118,12 @@ class RequestOutput:
     token_ids: tokens committed since the last output. text_delta: complete UTF-8 text since the
     last output. finish_reason: set once, on the last output. queued_s / first_token_s: seconds
     from arrival at the worker to first scheduling / first output token. error: set when the
-    engine failed the request (then finish_reason is ABORT). logprobs: with
-    `SamplingParams.logprobs`, one (token id, logprob, [(id, logprob), ...top]) per token in
-    token_ids (worker/engine/sampler.py). queued_iterations /
+    engine failed the request (then finish_reason is ABORT). queued_iterations /
     first_token_iterations: the same in engine iterations (how many iterations started after the
     request reached the engine until it was first scheduled / its first token committed).
     iteration: the engine iteration (counted as `snapshot()["iterations"]`) whose step produced it.
+    logprobs: with `SamplingParams.logprobs`, one (token id, logprob, [(id, logprob), ...top]) per
+    token in token_ids (worker/engine/sampler.py).
     """
 
     request_id: str

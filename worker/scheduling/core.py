@@ -722,7 +722,9 @@ class SchedulingCore:
     def projected_heads(self, tier: str, tenant_filter=None):
         """Waiting requests of scheduling tier `tier` in the order the core would admit them if
         memory allowed: VTC-like policies by counter plus the estimated prefill cost of the heads
-        already yielded; other policies by their order, each tenant's queue in turn. A generator."""
+        already yielded; DRR by its rounds (`DRRPolicy.project`: quanta granted, deficits less the
+        heads' estimated prefill cost); other policies by their order, each tenant's queue in turn.
+        A generator."""
         tenants = [self.tenants[t] for t in sorted(self._pending[tier]) if self.tenants[t].waiting
                    and (tenant_filter is None or tenant_filter(self.tenants[t]))]
         if not tenants:
@@ -742,6 +744,11 @@ class SchedulingCore:
                 ahead += self.cost.prefill(e.prompt_tokens)
                 if k + 1 < len(ts.waiting):
                     heapq.heappush(heap, (self._key_with(ts, k + 1, ahead), tid, k + 1, ahead))
+        elif hasattr(self.policy, "project"):  # DRR: its rounds, quanta granted (state untouched)
+            queues = {ts.tenant_id: list(ts.waiting) for ts in tenants}
+            costs = {tid: [self.cost.prefill(e.prompt_tokens) for e in q] for tid, q in queues.items()}
+            for tid, k in self.policy.project(costs):
+                yield queues[tid][k]
         else:
             arrival = {ts.tenant_id: ts.waiting[0].arrival for ts in tenants}
             for tid in self.policy.order([ts.tenant_id for ts in tenants], arrival):

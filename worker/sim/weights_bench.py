@@ -8,7 +8,8 @@ weight-3 : weight-1 over the steady state and the output tokens per second, on
 
 - the simulator (the real engine loop and scheduling core on the simulated runner, the CPU time
   model `loadtests/profiles/cpu-random-tiny.json`, virtual seconds), and
-- with `--real`, the reference engine with the random tiny model on this machine (wall seconds),
+- with `--real`, the reference engine with the random tiny model on this machine (wall seconds;
+  CPU time is no better on a shared machine: torch's OpenMP threads spin while they wait),
 
 so the throughput cost of each target is read off against the default (docs/fairness.md, "When
 nobody queues").
@@ -67,11 +68,11 @@ def closed_loop(engine: Engine, clock, *, inflight: int, prompt: int, output: in
     return out
 
 
-def _line(kind: str, target, r: dict, base: dict | None) -> str:
+def _line(kind: str, target, r: dict, base: dict | None, unit: str = "output tok/s") -> str:
     ratio = r["heavy"] / max(r["light"], 1e-9)
     tps = r["tokens"] / max(r["seconds"], 1e-9)
     cost = "" if base is None else f"   throughput {tps / (base['tokens'] / base['seconds']) - 1:+.1%} vs default"
-    return f"  {kind:<9} target {str(target):>7}: split heavy:light = {ratio:5.2f} : 1   {tps:7.1f} output tok/s{cost}"
+    return f"  {kind:<9} target {str(target):>7}: split heavy:light = {ratio:5.2f} : 1   {tps:7.1f} {unit}{cost}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,13 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         print(_line("sim", target or "default", r, base), flush=True)
         base = base or r
     if args.real:
-        import statistics
-
         from worker.models import load_model
 
         model = load_model("random-tiny", progress=False)
         print(f"reference engine, random-tiny on this machine, {args.real_iterations} iterations after 30 of warm-up, "
-              f"{args.repeats} interleaved runs per target (median tok/s; a shared machine's load moves single runs):")
+              f"{args.repeats} interleaved runs per target (median output tokens per wall second; on a machine "
+              "shared with other jobs single runs move with its load: measure on a quiet one)")
         runs: dict = {t: [] for t in targets}
         for _ in range(args.repeats):
             for target in targets:
