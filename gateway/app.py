@@ -64,6 +64,7 @@ from .logprobs import CompletionLogprobs, TokenTexts, chat_content
 from .metrics import UNKNOWN_TENANT, GatewayMetrics
 from .openapi import openapi_document
 from .outage import AdmissionControl, RedisUnavailable
+from .pool_view import PoolRuntime
 from .progress import OutputRates
 from .routing import Generation, ModelEntry, WorkerPool, start_generation
 from .sse import DONE, SSEResponse, event
@@ -492,10 +493,9 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
 
             admin, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
             log.info("gateway metrics on http://%s:%d/metrics", settings.metrics_host, admin.server_port)
-        pool = WorkerPool(settings.workers, health_interval_s=settings.health_interval_s,
-                          health_timeout_s=settings.health_timeout_s, local_tokenizer=local_tok, metrics=metrics)
-        await pool.start(wait_s=0.0)
-        await pool.poll_once()
+        runtime = PoolRuntime(settings, redis, control, metrics, local_tok)  # workers, routing, replicas
+        await runtime.start()
+        pool = runtime.pool
         app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer, rates=rates)
         try:
             yield
@@ -507,7 +507,7 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
             if gw._drain_task is not None:
                 gw._drain_task.cancel()
             await cancel_and_wait(watcher)
-            await pool.stop()
+            await runtime.stop()
             await control.stop()
             await redis.aclose()
             if admin is not None:
@@ -540,8 +540,9 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
         gw = gw_of(request)
-        workers = [{"addr": w.addr, "healthy": w.healthy, "agrees": w.agrees, "model": w.model,
-                    "inflight_tokens": w.load_score(), "error": w.last_error or None} for w in gw.pool.workers]
+        workers = [{"addr": w.addr, "worker_id": w.worker_id or None, "healthy": w.healthy, "agrees": w.agrees,
+                    "retired": w.retired, "usable": w.usable, "model": w.model, "inflight_tokens": w.load_score(),
+                    "error": w.last_error or None} for w in gw.pool.workers]
         try:
             redis_ok = bool(await gw.redis.ping())
         except (RedisError, OSError):

@@ -7,8 +7,9 @@ succeeds again (every ``redis_probe_interval_s``), never waits on Redis:
 
 - a tier whose policy is ``fail_closed`` gets 503 (OpenAI-shaped, ``retry-after``) at once;
 - a tier whose policy is ``degrade`` is admitted by `LocalAdmission`: this replica's in-memory
-  buckets with every limit divided by ``gateway_replicas`` (RPM, TPM, in-flight tokens, concurrent
-  requests), so N replicas together stay within the tenant's limits. This replica's own running
+  buckets with every limit divided by the number of gateway replicas (RPM, TPM, in-flight tokens,
+  concurrent requests), so N replicas together stay within the tenant's limits. N is the live count
+  last seen in Redis (`gateway.replicas`; `set_live_replicas`), never below ``gateway_replicas``. This replica's own running
   requests (admitted through Redis before the outage) count against the local in-flight limits.
 - settlements owed to Redis (a lease to release, a TPM refund) are kept and made when it is back.
 
@@ -176,6 +177,7 @@ class AdmissionControl:
                  probe_interval_s: float = 0.5, renew_interval_s: float | None = None, metrics=None) -> None:
         self.admission = admission
         self.policy = policy
+        self.replicas_floor = max(1, int(replicas))
         self.local = LocalAdmission(replicas, retry_s=max(1.0, probe_interval_s))
         self.probe_interval_s = probe_interval_s
         self.renew_interval_s = renew_interval_s or max(0.05, admission.lease_ttl_s / 3)
@@ -194,6 +196,13 @@ class AdmissionControl:
     @property
     def lease_ttl_s(self) -> float:
         return self.admission.lease_ttl_s
+
+    def set_live_replicas(self, n: int) -> None:
+        """The live gateway replica count (`gateway.replicas.ReplicaRegistry`): degraded local
+        buckets hold ``limit / max(floor, n)``, the floor being the configured ``replicas``."""
+        self.local.replicas = max(self.replicas_floor, int(n))
+        if self.metrics is not None:
+            self.metrics.gateway_replicas.set(self.local.replicas)
 
     def _gauge(self) -> None:
         if self.metrics is not None:

@@ -73,7 +73,7 @@ def test_health_gated_start_order(compose_cmd, profile):
 def test_gateway_worker_list_resolves_to_the_running_worker(compose_cmd, profile):
     services = config(compose_cmd, profile)["services"]
     workers = services["gateway"]["environment"]["FAIRSHARE_WORKERS"].split(",")
-    assert workers == ["worker:50051"]
+    assert workers == ["dns:///worker:50051"]  # every replica of the worker service, discovered live
     (worker_name,) = {"worker", "worker-gpu"} & set(services)
     worker = services[worker_name]
     names = {worker_name} | set(((worker.get("networks") or {}).get("default") or {}).get("aliases") or [])

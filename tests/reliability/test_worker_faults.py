@@ -62,7 +62,7 @@ def open_in_thread(http: httpx.Client, gw: InProcessGateway, tenant: str, body: 
 
 def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
     gw = InProcessGateway(tmp_path / "gw", [{"id": "wk", "limits": {"tpm": TPM, "max_inflight_tokens": 20000}}],
-                          workers.addrs, redis_url, health_interval_s=30.0).wait_ready()
+                          workers.addrs, redis_url, health_interval_s=30.0, routing="least-loaded").wait_ready()
     controls = [workers.control(i) for i in range(2)]
     http = httpx.Client(timeout=60)
     try:
@@ -158,7 +158,7 @@ def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
 
 def test_worker_sigterm_drains(workers, redis_url, tmp_path):
     gw = InProcessGateway(tmp_path / "gw", [{"id": "wd", "limits": {"tpm": 10**6}}], workers.addrs, redis_url,
-                          health_interval_s=0.3).wait_ready()
+                          health_interval_s=0.3, routing="least-loaded").wait_ready()
     controls = [workers.control(i) for i in range(2)]
     http = httpx.Client(timeout=60)
     try:
