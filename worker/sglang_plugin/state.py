@@ -126,7 +126,8 @@ class FairShareState:
 
     def bind(self, scheduler) -> None:
         """Serve `scheduler` (an SGLang `Scheduler`; the hooks call this with `self`)."""
-        if scheduler is not None and self.scheduler is None and self._core is None:
+        if (scheduler is not None and self.scheduler is None and self._core is None
+                and hasattr(scheduler, "token_to_kv_pool_allocator") and hasattr(scheduler, "tree_cache")):
             self.scheduler = scheduler
 
     @property
@@ -283,6 +284,8 @@ class FairShareState:
         the policy's counters move between picks exactly as in the reference. The plan (requests
         and tokens, in order) is what the prefill adder then carries out. Returns it."""
         self.bind(scheduler)
+        if self.scheduler is not scheduler:
+            raise RuntimeError("fairshare: one plugin state serves one SGLang scheduler")
         core = self.core
         self._batch = running_batch
         try:
