@@ -49,6 +49,7 @@ import secrets
 from dataclasses import dataclass
 from functools import lru_cache
 
+from fairshare.tiers import TIERS
 from worker.cache.namespace import SECRET_ENV as CACHE_SECRET_ENV
 from worker.cache.namespace import derive_namespace
 
@@ -57,7 +58,6 @@ SECRET_ENV = "FAIRSHARE_SGLANG_SECRET"
 NAMESPACE_PREFIX = "fs|"
 UNVERIFIED_PREFIX = "fsu|"
 UNVERIFIED_TENANT = "_unverified"
-TIERS = ("interactive", "batch", "background")
 _VERSION = "v2"
 _MAC_HEX = 32
 _CACHE_KEY_LABEL = b"fairshare sglang cache-namespace secret v1"
