@@ -190,10 +190,19 @@ def default_state_dir() -> Path:
 def load_tenants(path: str | os.PathLike) -> TenantsFile:
     """Read and validate a tenants YAML file.
 
-    Raises FileNotFoundError, yaml.YAMLError or pydantic.ValidationError.
+    A file with no document (empty, blank or comments only: what a reader sees while an editor or a
+    truncating write is half done) or without a ``tenants:`` key is refused, never read as zero
+    tenants: that would lock every tenant out. ``tenants: []`` says "no tenants" on purpose.
+
+    Raises FileNotFoundError, yaml.YAMLError, ValueError (no document / no ``tenants:`` key) or
+    pydantic.ValidationError (a ValueError too).
     """
     with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+        data = yaml.safe_load(f)
+    if data is None:
+        raise ValueError(f"tenants file {path} is empty (no YAML document); expected `tenants:`")
+    if not isinstance(data, dict) or "tenants" not in data:
+        raise ValueError(f"tenants file {path} has no `tenants:` key")
     return TenantsFile.model_validate(data)
 
 

@@ -352,6 +352,10 @@ def _print_summary(summary: dict) -> None:
     if c:
         print(f"  {c['tenant']}: p99 TTFT FCFS {_fmt(c['ttft_p99_fcfs_s'])} vs VTC {_fmt(c['ttft_p99_vtc_s'])}",
               flush=True)
+        of, ov = c.get("overtaken_mean_fcfs"), c.get("overtaken_mean_vtc")
+        if of is not None and ov is not None:
+            print(f"  {c['tenant']}: other tenants' first tokens while one waited (mean) FCFS {of:.1f} vs VTC {ov:.1f}",
+                  flush=True)
 
 
 def _fmt(x) -> str:

@@ -19,6 +19,14 @@ import yaml
 from fairshare.procs import free_port, port_in_use
 from tests.e2e.conftest import ROOT, assert_all_stopped, fairshare_command, start_up
 
+
+def write_atomically(path, text: str) -> None:
+    """Replace `path` with `text` in one step (temporary file, then os.replace), as an editor or a
+    config tool does: the gateway's reload never sees a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
 pytestmark = pytest.mark.e2e
 
 TINY_START_TIMEOUT_S = 180.0
@@ -75,14 +83,14 @@ def test_first_run_second_run_sigterm_and_a_dying_child(tmp_path):
         # the gateway reloads the tenants file live; a broken edit is refused, with a notice here
         tenants_file = state / "tenants.yaml"
         good = tenants_file.read_text()
-        tenants_file.write_text("tenants:\n  - id: [unclosed\n")
+        write_atomically(tenants_file, "tenants:\n  - id: [unclosed\n")
         refused = up2.wait_for_line("the gateway rejected an edit of the tenants/keys files", 60,
                                     "the notice of the rejected edit")
         assert "keeping the previous configuration" in refused and "\n" not in refused
         assert c.models.list().data  # still served with the previous tenants
         more = yaml.safe_load(good)
         more["tenants"].append({"id": "initech", "weight": 2.0})
-        tenants_file.write_text(yaml.safe_dump(more, sort_keys=False))
+        write_atomically(tenants_file, yaml.safe_dump(more, sort_keys=False))
         reloaded = up2.wait_for_line("the gateway reloaded", 60, "the notice of the accepted edit")
         assert "3 tenant(s)" in reloaded, reloaded
     except BaseException:

@@ -132,11 +132,23 @@ def test_generate_request_carries_gateway_derived_identity(gateway_factory, prox
 
 
 def test_tenant_a_key_is_never_charged_to_b(gateway_factory, worker_addr):
-    gw = gateway_factory([{"id": "iso-a", "limits": {"tpm": 100000}}, {"id": "iso-b", "limits": {"tpm": 100000}}])
-    gw.client("iso-a").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
-                                               extra_body={"tenant": "iso-b"}, user="iso-b")
-    assert gw.bucket("iso-a") is not None and gw.bucket("iso-a")[0] < 100000
-    assert gw.bucket("iso-b") is None  # untouched (a missing bucket is a full one)
+    # What was charged is read from records that do not expire: the admission's own x-ratelimit-*
+    # headers (the remainder right after the charge) and the gateway's per-tenant token counters.
+    # A bucket's Redis key expires about 1 s after it refills, so reading it later races a slow machine.
+    gw = gateway_factory([{"id": "iso-a", "limits": {"tpm": 100000}}, {"id": "iso-b", "limits": {"tpm": 100000}}],
+                         metrics_token="iso-metrics-token")
+    raw = gw.client("iso-a").chat.completions.with_raw_response.create(
+        model=MODEL, messages=HELLO, max_tokens=3, extra_body={"tenant": "iso-b"}, user="iso-b")
+    r = raw.parse()
+    assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
+    charged = 100000 - int(raw.headers["x-ratelimit-remaining-tokens"])
+    assert charged >= r.usage.prompt_tokens + 1  # the reservation was taken from iso-a's bucket
+    assert gw.bucket("iso-b") is None  # never created (a missing bucket is a full one)
+    metrics = httpx.get(gw.base_url + "/metrics", headers={"authorization": "Bearer iso-metrics-token"}).text
+    charged_series = [line for line in metrics.splitlines()
+                      if line.startswith(("fairshare_gateway_tokens_total{", "fairshare_gateway_requests_total{"))]
+    assert any('tenant="iso-a"' in line for line in charged_series)
+    assert not any('tenant="iso-b"' in line for line in charged_series), charged_series
     with grpc.insecure_channel(worker_addr) as ch:
         load = pb_grpc.WorkerStub(ch).GetLoad(pb.GetLoadRequest(), timeout=5)
     ids = {t.tenant_id for t in load.tenants}

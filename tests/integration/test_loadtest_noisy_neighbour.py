@@ -3,9 +3,10 @@
 The command starts `fairshare up` (random-tiny model, worker `--max-running 2`) once per policy,
 runs Locust for 30 s against it and writes the report. `flood` keeps 20 streams in flight (24
 connections, the rest get 429s); `trickle` sends a short request every 2 s from t=5 s. With two
-running slots, FCFS puts every trickle request behind the ~18 flood requests already queued (more
-than ten seconds here), while VTC admits it at the next free slot (about one flood request's
-time): the gap is an order of magnitude by construction, so the test asks for a factor of 2 only.
+running slots, FCFS puts every trickle request behind the ~18 flood requests already queued, while
+VTC admits it at the next free slot. The verdict counts the flood requests whose first token came
+while a trickle request waited (an order, set by the queue depth, whatever the machine's speed); the
+p99 TTFTs stay in the report as figures.
 About two minutes on 2 CPU cores.
 """
 
@@ -68,11 +69,18 @@ def test_noisy_neighbour_fcfs_vs_vtc_report(tmp_path):
     assert vtc["trickle"]["ok"] >= 3
     assert fcfs["trickle"]["ttft_n"] >= 3
 
-    # the point of the campaign: the trickle tenant's tail latency under VTC vs FCFS
+    # the point of the campaign, judged by what the scheduler did, not by wall-clock percentiles (the
+    # report prints the p99 TTFTs; on a loaded machine the client's own delays blur them): how many flood
+    # requests got their first token while a trickle request waited for its own. FCFS puts it behind the
+    # flood's whole queue (~18 with 20 in flight and 2 running slots); VTC gives it the next free slot.
     c = s["comparison"]
     assert c["tenant"] == "trickle"
-    assert c["ttft_p99_vtc_s"] < c["ttft_p99_fcfs_s"], c
-    assert c["ratio_fcfs_over_vtc"] >= 2.0, c
+    assert c["ttft_p99_fcfs_s"] is not None and c["ttft_p99_vtc_s"] is not None, c  # the figures are reported
+    assert "p99 TTFT of `trickle`" in md and "first token while a `trickle` request waited" in md
+    of, ov = c["overtaken_mean_fcfs"], c["overtaken_mean_vtc"]
+    assert of is not None and ov is not None, c
+    assert of >= 5, c  # FCFS: the trickle waits behind the flood's backlog
+    assert ov * 2 <= of, c  # VTC: passed only by what was being admitted already
 
     # nothing left running: the platform's ports are free again (its own tests check the rest)
     assert "exited" not in proc.stdout

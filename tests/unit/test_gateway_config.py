@@ -129,9 +129,12 @@ def test_directory_reloads_new_keys(tmp_path):
     assert d.authenticate(f"Bearer {k}").tenant.id == "acme"
 
 
-@pytest.mark.parametrize("broken", ["tenants: [ {\n", "tenants:\n  - id: acme\n    weight: -1\n", None])
+@pytest.mark.parametrize("broken", ["tenants: [ {\n", "tenants:\n  - id: acme\n    weight: -1\n", None,
+                                    "", "  \n# being edited\n", "tena", "acme:\n  weight: 2\n"],
+                         ids=["unparseable", "invalid", "deleted", "empty", "blank", "truncated", "no-tenants-key"])
 def test_broken_tenants_file_keeps_the_old_config_and_is_logged_once(tmp_path, caplog, broken):
-    """A malformed (or deleted) tenants file: the previous tenants keep working, the error is logged
+    """A malformed, empty (a truncating write read half-way), truncated or deleted tenants file: the
+    previous tenants keep working (never "0 tenant(s)"), the error is logged
     as one line without a traceback, once per edit (not on every request), and a fixed file is
     picked up again."""
     p = tmp_path / "tenants.yaml"
@@ -148,6 +151,8 @@ def test_broken_tenants_file_keeps_the_old_config_and_is_logged_once(tmp_path, c
             assert d.authenticate(f"Bearer {k}").tenant.id == "acme"
     errors = [r for r in caplog.records if "could not reload" in r.getMessage()]
     assert len(errors) == 1 and errors[0].exc_info is None and "\n" not in errors[0].getMessage()
+    assert errors[0].levelno == logging.ERROR and d.tenants().keys() == {"acme", "globex"}
+    assert not [r for r in caplog.records if "0 tenant(s)" in r.getMessage()]
     p.write_text(TENANTS.replace("weight: 2.5", "weight: 4"))
     assert d.authenticate(f"Bearer {k}").tenant.weight == 4
 
