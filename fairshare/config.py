@@ -12,6 +12,7 @@ Tenants file (YAML, e.g. ``tenants.yaml``)::
           max_inflight_tokens: 32768      # sum of prompt + max_tokens over running requests
           max_concurrent_requests: 16
         allowed_models: ["*"]     # model names or "*" (default: all)
+        request_timeout_s: 120    # optional: this tenant's deadline per request (default: its tier's)
         api_key_digests: []       # optional inline HMAC-SHA256 digests (hex); usually in the keys file
       - id: nightly
         weight: 0.5
@@ -80,6 +81,8 @@ class TenantConfig(BaseModel):
     tier: Tier = Tier.INTERACTIVE
     limits: TenantLimits = Field(default_factory=TenantLimits)
     allowed_models: list[str] = Field(default_factory=lambda: ["*"])
+    # the deadline of each of its requests, seconds (None: its tier's default; gateway/deadlines.py)
+    request_timeout_s: float | None = Field(default=None, gt=0)
     api_key_digests: list[str] = Field(default_factory=list)
 
     @field_validator("api_key_digests")

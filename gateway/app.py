@@ -49,9 +49,11 @@ from fairshare.v1 import worker_pb2 as pb
 from . import schemas
 from .admission import Admission, Decision, Lease
 from .auth import Principal, TenantDirectory, bearer_key
+from . import keepalive
 from .config import GatewaySettings
+from .deadlines import Deadline, request_deadline
 from .errors import (APIError, from_validation_error, install_handlers, invalid_request, model_not_found, retry_headers,
-                     unavailable, upstream_timeout)
+                     unavailable)
 from .metrics import UNKNOWN_TENANT, GatewayMetrics
 from .openapi import openapi_document
 from .outage import AdmissionControl, RedisUnavailable
@@ -82,6 +84,7 @@ class Gateway:
     tracer: trace.Tracer = field(default_factory=gateway_tracer)
     rates: OutputRates = field(default_factory=OutputRates)  # measured output rate per model (retry hints)
     draining: bool = False  # SIGTERM received: new requests get 503, open ones finish until the deadline
+    signer: Any = None  # fairshare.worker_auth.Signer of every worker call (None: unsigned, --no-worker-auth)
     _drain_task: asyncio.Task | None = None
 
     def begin_drain(self, deadline_s: float) -> None:
@@ -128,7 +131,8 @@ class Session:
     """An admitted request: its jobs, generations, lease and the settlement that ends it (once)."""
 
     def __init__(self, gw: Gateway, principal: Principal, entry: ModelEntry, model: str, jobs: list[Job],
-                 lease: Lease, decision: Decision, rid: str, endpoint: str, t0: float) -> None:
+                 lease: Lease, decision: Decision, rid: str, endpoint: str, t0: float,
+                 deadline: Deadline | None = None) -> None:
         self.gw = gw
         self.principal = principal
         self.entry = entry
@@ -143,8 +147,9 @@ class Session:
         self.client_gone = False
         self.stop_reason: str | None = None  # set by stop(): the server ends the request (drain deadline)
         self.stopped = asyncio.Event()
-        timeout = gw.settings.request_timeout_s
-        self.deadline: float | None = None if timeout is None else time.monotonic() + timeout
+        self.deadline_info = deadline or Deadline(None, None)  # whose deadline, when (gateway/deadlines.py)
+        self.deadline: float | None = self.deadline_info.at  # time.monotonic(); the gRPC deadline of each call
+        self.start_task: asyncio.Future | None = None  # starting the generations (until their first tokens)
         self._settle_task: asyncio.Task | None = None
         self.first_token_at: float | None = None
         self.trace_ctx = otel_context.get_current()  # the request span's context: parent of worker calls
@@ -207,6 +212,8 @@ class Session:
             return
         self.client_gone = True
         self.gw.metrics.disconnects.labels(self.tenant.id).inc()
+        if self.start_task is not None:
+            self.start_task.cancel()
         for j in self.jobs:
             if j.gen is not None:
                 j.gen.cancel()
@@ -218,6 +225,8 @@ class Session:
             return
         self.stop_reason = reason
         self.stopped.set()
+        if self.start_task is not None:
+            self.start_task.cancel()
         for j in self.jobs:
             if j.gen is not None:
                 j.gen.cancel()
@@ -383,9 +392,11 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
 
     tracer_provider: where spans go (tests pass one with an in-memory exporter); default: a provider
     built from ``settings.otel_exporter`` (none: the global provider, a no-op unless configured).
-    Raises RuntimeError when no server secret is configured, ValueError for an unknown exporter.
+    Raises RuntimeError when no server secret (or no worker-auth key, unless ``worker_auth`` is off) is
+    configured, ValueError for an unknown exporter.
     """
     secret = settings.secret_bytes()
+    signer = settings.worker_signer()  # RuntimeError without worker-auth keys (unless worker_auth is off)
     if directory is None:
         directory = TenantDirectory(secret, settings.tenants_file, settings.resolved_keys_file())
     metrics = GatewayMetrics()
@@ -425,7 +436,8 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
                           health_timeout_s=settings.health_timeout_s, local_tokenizer=local_tok, metrics=metrics)
         await pool.start(wait_s=0.0)
         await pool.poll_once()
-        app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer, rates=rates)
+        app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer, rates=rates,
+                               signer=signer)
         try:
             yield
         finally:
@@ -597,6 +609,7 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     except ValidationError as e:
         raise from_validation_error(list(e.errors())) from None
     req.refuse_unsupported()
+    deadline = request_deadline(gw.settings, tenant, request.headers, bool(req.stream))  # 400 for a bad header
     n = req.choices_n()
     if n > gw.settings.max_n:
         raise invalid_request(f"Invalid value for 'n': at most {gw.settings.max_n} choices per request.", "n",
@@ -702,17 +715,24 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
         for i in range(n):
             seed = None if req.seed is None else (req.seed + i + 2**63) % 2**64 - 2**63  # stays an int64
             jobs.append(Job(index=g * n + i, group=g, prompt_ids=p, max_tokens=max_tokens, seed=seed))
-    session = Session(gw, principal, entry, model, jobs, lease, decision, rid, "chat" if kind == "chat" else "text", t0)
+    session = Session(gw, principal, entry, model, jobs, lease, decision, rid, "chat" if kind == "chat" else "text", t0,
+                      deadline=deadline)
     lease.remaining_s = lambda: gw.rates.remaining_s(model, jobs)  # refreshed in Redis at each renewal
     gw.live.add(session)
 
-    try:  # until the first token (which may wait in the worker's queue), still watching the client
+    # until the first token (which may wait in the worker's queue), still watching the client; a stream
+    # answers at the latest after the keep-alive grace and keeps the connection alive (gateway/keepalive.py)
+    start = session.start_task = asyncio.ensure_future(_start_all(gw, session, req))
+    grace = gw.settings.keepalive_interval_s if req.stream else None
+    try:
         with gw.tracer.start_as_current_span("gateway.routing", record_exception=False,
                                              set_status_on_exception=False,
                                              attributes={"fairshare.model": model,
                                                          "fairshare.choices": len(jobs)}) as route_span:
             try:
-                await _unless_client_leaves(session, request, _start_all(gw, session, req))
+                started = await _unless_client_leaves(session, request, keepalive.started_within(start, grace))
+                if not started and route_span.is_recording():
+                    route_span.set_attribute("fairshare.keepalive", True)
             except APIError as e:
                 set_error(route_span, e.code)
                 raise
@@ -720,6 +740,8 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
                 set_error(route_span, "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
                 raise
     except BaseException:
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
         await session.settle()
         raise
     session.stream_span = gw.tracer.start_span("gateway.streaming", context=session.trace_ctx,
@@ -780,10 +802,15 @@ async def _start_all(gw: Gateway, session: Session, req) -> None:
     attempts = gw.settings.max_retries + 1
 
     async def start(job: Job) -> None:
-        job.gen = await start_generation(gw.pool, session.model, _generate_request(session, job, req),
-                                         len(job.prompt_ids) + job.max_tokens, max_attempts=attempts,
-                                         metrics=gw.metrics, tracer=gw.tracer, parent=session.trace_ctx,
-                                         deadline=session.deadline)
+        try:
+            job.gen = await start_generation(gw.pool, session.model, _generate_request(session, job, req),
+                                             len(job.prompt_ids) + job.max_tokens, max_attempts=attempts,
+                                             metrics=gw.metrics, tracer=gw.tracer, parent=session.trace_ctx,
+                                             deadline=session.deadline, signer=gw.signer)
+        except APIError as e:
+            if e.status == 504 and e.code == "timeout":  # the deadline passed while it was queued
+                raise session.deadline_info.error(started=False) from None
+            raise
 
     if len(session.jobs) == 1:
         await start(session.jobs[0])
@@ -858,7 +885,7 @@ def _stream_failure(session: Session, err: BaseException) -> APIError:
                 session.gw.pool.mark_failed(j.gen.worker, f"{e.code().name} during generation")
     if isinstance(err, grpc.aio.AioRpcError):
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return upstream_timeout(f"The request did not finish within {session.gw.settings.request_timeout_s:g} s.")
+            return session.deadline_info.error(started=True)
         return unavailable(f"The worker failed during generation ({err.code().name}); please retry.")
     return unavailable(f"The worker failed during generation ({type(err).__name__}); please retry.")
 
@@ -980,8 +1007,22 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
 
 
 async def _stream(session: Session, opening: list[bytes], body, usage_event) -> AsyncIterator[bytes]:
-    """The SSE body: opening chunks, content chunks, (usage chunk), ``[DONE]``; settles in every case."""
+    """The SSE body: keep-alive comments until the first token, opening chunks, content chunks, (usage
+    chunk), ``[DONE]``; settles in every case."""
     try:
+        start = session.start_task
+        if start is not None and not start.done():  # answered before the first token: keep the line alive
+            async for b in keepalive.comments(start, session.gw.settings.keepalive_interval_s):
+                yield b
+            try:
+                start.result()
+            except APIError as e:
+                yield event(e.body())
+                return
+            except asyncio.CancelledError:
+                if session.stop_reason is not None:
+                    yield event(unavailable(session.stop_reason, retry_after_s=1).body())
+                return
         for b in opening:
             yield b
         try:

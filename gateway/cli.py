@@ -21,6 +21,8 @@ Gateway
                                                         # or one policy for all (default fail_closed)
                       [--replicas 1]                    # gateway replicas sharing the limits
                       [--redis-timeout-s 2] [--drain-timeout-s 10] [--request-timeout-s S]
+                      [--tier-request-timeout-s interactive=600,batch=none] [--keepalive-interval-s 15]
+                      [--worker-keys-file FILE] [--worker-token-ttl-s 60] [--no-worker-auth]
                       [--max-body-bytes 8388608]
                       [--metrics-port 0] [--metrics-host 127.0.0.1]  # /metrics on an admin listener
                       [--metrics-token-file FILE] [--public-metrics]
@@ -34,8 +36,11 @@ Every flag has an environment variable read with pydantic-settings (flags win ov
 ``FAIRSHARE_REDIS_OUTAGE_POLICY``, ``FAIRSHARE_GATEWAY_REPLICAS``, ``FAIRSHARE_REDIS_TIMEOUT_S``,
 ``FAIRSHARE_DRAIN_TIMEOUT_S``, ``FAIRSHARE_REQUEST_TIMEOUT_S``, ``FAIRSHARE_MAX_BODY_BYTES``,
 ``FAIRSHARE_METRICS_PORT``, ``FAIRSHARE_METRICS_HOST``, ``FAIRSHARE_METRICS_TOKEN`` (the token itself),
-``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS`` (see docs/reliability.md). The gateway refuses to
-start without a secret.
+``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS``, ``FAIRSHARE_TIER_REQUEST_TIMEOUT_S``,
+``FAIRSHARE_KEEPALIVE_INTERVAL_S``, ``FAIRSHARE_WORKER_KEYS`` (the keys themselves),
+``FAIRSHARE_WORKER_KEYS_FILE``, ``FAIRSHARE_WORKER_AUTH``, ``FAIRSHARE_WORKER_TOKEN_TTL_S`` (see
+docs/reliability.md). The gateway refuses to start without a secret, and without worker-auth keys
+unless ``--no-worker-auth``.
 
 ``/metrics`` (every tenant's figures) is not served to API clients on the public port: operators
 scrape the admin listener (``--metrics-port``), or the public port with the metrics token
@@ -81,7 +86,8 @@ def _settings_from_args(args: argparse.Namespace):
     for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "redis_cluster", "secret_file", "tokenizer",
                  "lease_ttl_s", "log_level", "otel_exporter", "redis_outage_policy", "gateway_replicas",
                  "redis_timeout_s", "drain_timeout_s", "request_timeout_s", "max_body_bytes", "metrics_port",
-                 "metrics_host", "metrics_token_file", "public_metrics"):
+                 "metrics_host", "metrics_token_file", "public_metrics", "tier_request_timeout_s",
+                 "keepalive_interval_s", "worker_keys_file", "worker_auth", "worker_token_ttl_s"):
         v = getattr(args, name, None)
         if v is not None:
             overrides[name] = v
@@ -122,6 +128,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, open requests may finish for this long (default 10 s)")
     p.add_argument("--request-timeout-s", dest="request_timeout_s", type=float,
                    help="deadline of one generation in seconds: 504 / error event after it (default: none)")
+    p.add_argument("--tier-request-timeout-s", dest="tier_request_timeout_s",
+                   help="default deadline per tier, merged over interactive=600,batch=none,background=none "
+                        "(JSON or tier=seconds|none,...); --request-timeout-s replaces it for every tier")
+    p.add_argument("--keepalive-interval-s", dest="keepalive_interval_s", type=float,
+                   help="streams: SSE keep-alive comment this often while the first token is pending; the "
+                        "response headers go out at the latest this long after admission (default 15)")
+    p.add_argument("--worker-keys-file", dest="worker_keys_file",
+                   help="keys that sign every Generate/Abort (KID:SECRET lines, the first signs; re-read when "
+                        "it changes); or FAIRSHARE_WORKER_KEYS")
+    p.add_argument("--no-worker-auth", dest="worker_auth", action="store_false", default=None,
+                   help="send unsigned worker calls (only to workers started with --no-worker-auth; unsafe)")
+    p.add_argument("--worker-token-ttl-s", dest="worker_token_ttl_s", type=float,
+                   help="validity of each call's token in seconds (default 60)")
     p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int,
                    help="larger request bodies get 413 (default 8 MiB)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int,

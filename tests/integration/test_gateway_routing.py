@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fairshare.procs import free_port
+from fairshare.worker_auth import METADATA_KEY
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import GATEWAY_TEST_SECRET
@@ -67,12 +68,14 @@ class ProxyWorker(pb_grpc.WorkerServicer):
             yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ABORT,
                                       usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids)))
             return
-        call = self.stub.Generate(request)
+        token = [(k, v) for k, v in context.invocation_metadata() if k == METADATA_KEY]  # the gateway's
+        call = self.stub.Generate(request, metadata=token)
         context.add_callback(call.cancel)
         yield from call
 
     def Abort(self, request, context):
-        return self.stub.Abort(request)
+        return self.stub.Abort(request, metadata=[(k, v) for k, v in context.invocation_metadata()
+                                                  if k == METADATA_KEY])
 
     def GetModelInfo(self, request, context):
         info = self.stub.GetModelInfo(request)

@@ -239,7 +239,7 @@ class GatewayProcess(_TenantClients):
         self.log_path = d / f"gateway-{self.port}-{int(time.time() * 1000)}.log"
         cmd = [sys.executable, "-m", "fairshare.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
                "--tenants", str(self.tenants_file), "--workers", ",".join(workers), "--redis-url", redis_url, *args]
-        e = {k: v for k, v in os.environ.items() if not k.startswith("FAIRSHARE_")}
+        e = {k: v for k, v in os.environ.items() if not k.startswith("FAIRSHARE_") or k == "FAIRSHARE_WORKER_KEYS"}
         e.update({"FAIRSHARE_SECRET": SECRET, "FAIRSHARE_HEALTH_INTERVAL_S": "0.3", "PYTHONUNBUFFERED": "1"})
         e.update(env or {})
         self._log = open(self.log_path, "wb")
