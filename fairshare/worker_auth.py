@@ -84,8 +84,9 @@ class WorkerKeys:
         ignored; ``kid=secret`` also accepted). Raises KeysError for no entry, a bad or duplicate key id
         or a secret under 16 bytes."""
         entries: list[tuple[str, bytes]] = []
-        for raw in re.split(r"[,\n]", text):
-            item = raw.split("#", 1)[0].strip()
+        items = [part for line in text.splitlines() for part in line.split("#", 1)[0].split(",")]
+        for raw in items:
+            item = raw.strip()
             if not item:
                 continue
             m = re.match(r"^([^:=\s]+)\s*[:=]\s*(\S+)$", item)

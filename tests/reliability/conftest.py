@@ -216,6 +216,9 @@ class InProcessGateway(_TenantClients):
         wait_ready(self.base_url, timeout_s)
         return self
 
+    def redis_client(self) -> redis_sync.Redis:
+        return redis_sync.Redis.from_url(self.redis_url, socket_timeout=5)
+
     def held_lease_ids(self) -> set[str]:
         """Lease ids this gateway holds for running requests (Redis-held and local)."""
         return set(dict(self.gw.control.live))

@@ -76,8 +76,10 @@ def forged_calls(make_request) -> list[tuple[str, str, object, tuple]]:
     # a real token for a modest request of one tenant, put on a request claiming more (weight, tenant)
     honest = make_request("auth-moved", "victim", 1.0)
     token = good.metadata(worker_auth.generate_claims(honest))
-    out.append(("token moved to another identity", "bad_signature", make_request("auth-moved", "attacker", 100.0),
-                token))
+    moved = type(honest)()
+    moved.CopyFrom(honest)  # the same request id, another tenant with a bigger weight
+    moved.tenant.id, moved.tenant.weight = "attacker", 100.0
+    out.append(("token moved to another identity", "bad_signature", moved, token))
     r = make_request("auth-expired", "victim", 1.0)
     stale = good.token(worker_auth.generate_claims(r), expiry=int(time.time()) - 120)
     out.append(("expired token", "expired", r, ((worker_auth.METADATA_KEY, stale),)))
