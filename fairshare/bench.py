@@ -5,6 +5,8 @@
     fairshare bench cache [...]     (prefix-cache hit rates by isolation mode; worker/cache/bench.py)
     fairshare bench sidechannel [...]  (CI2 TTFT timing side channel; loadtests/sidechannel.py)
     fairshare bench recovery [...]  (`fairshare up` healing a kill -9; fairshare/recovery_bench.py)
+    fairshare bench chaos [--minutes 10] [...]  (mixed load while Redis, a worker and the gateway are
+                                      killed at random; outcomes and leaks; fairshare/chaos_bench.py)
 
 `engine`: decode throughput of the reference engine (continuous batching, paged KV) at each batch
 size, and in the same run transformers' `generate` at static batch 8 on the same weights; prints
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare bench`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery} [options]")
+        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|chaos} [options]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -111,5 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         from fairshare.recovery_bench import main as recovery_bench
 
         return recovery_bench(rest)
+    if what == "chaos":
+        from fairshare.chaos_bench import main as chaos_bench
+
+        return chaos_bench(rest)
     print(f"fairshare bench: unknown benchmark {what!r}", file=sys.stderr)
     return 2

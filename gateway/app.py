@@ -883,19 +883,23 @@ def _stream_failure(session: Session, err: BaseException) -> APIError:
                         e.code().name, e.details())
             if e.code() in _WORKER_LOST:
                 session.gw.pool.mark_failed(j.gen.worker, f"{e.code().name} during generation")
+    retry_s = session.gw.pool.retry_after_s(session.model)  # another worker may take it (retry hints)
     if isinstance(err, grpc.aio.AioRpcError):
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return session.deadline_info.error(started=True)
-        return unavailable(f"The worker failed during generation ({err.code().name}); please retry.")
-    return unavailable(f"The worker failed during generation ({type(err).__name__}); please retry.")
+        return unavailable(f"The worker failed during generation ({err.code().name}); please retry.",
+                           retry_after_s=retry_s)
+    return unavailable(f"The worker failed during generation ({type(err).__name__}); please retry.",
+                       retry_after_s=retry_s)
 
 
 def _check_finished(session: Session) -> None:
+    retry_s = session.gw.pool.retry_after_s(session.model)
     for j in session.jobs:
         if j.finish_reason is None:
-            raise unavailable("The worker ended the stream without finishing the request.")
+            raise unavailable("The worker ended the stream without finishing the request.", retry_after_s=retry_s)
         if j.finish_reason == "abort":
-            raise unavailable("The worker aborted the request.")
+            raise unavailable("The worker aborted the request.", retry_after_s=retry_s)
 
 
 async def _wait_disconnect(request: Request) -> None:
