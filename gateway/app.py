@@ -722,23 +722,20 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
 
     # until the first token (which may wait in the worker's queue), still watching the client; a stream
     # answers at the latest after the keep-alive grace and keeps the connection alive (gateway/keepalive.py)
-    start = session.start_task = asyncio.ensure_future(_start_all(gw, session, req))
+    # (the routing span is current in the start task and ends with it, past the response's start)
+    route_span = gw.tracer.start_span("gateway.routing", attributes={"fairshare.model": model,
+                                                                     "fairshare.choices": len(jobs)})
+    token = otel_context.attach(trace.set_span_in_context(route_span))
+    try:
+        start = session.start_task = asyncio.ensure_future(_start_all(gw, session, req))
+    finally:
+        otel_context.detach(token)
+    start.add_done_callback(lambda task: _end_routing_span(route_span, task))
     grace = gw.settings.keepalive_interval_s if req.stream else None
     try:
-        with gw.tracer.start_as_current_span("gateway.routing", record_exception=False,
-                                             set_status_on_exception=False,
-                                             attributes={"fairshare.model": model,
-                                                         "fairshare.choices": len(jobs)}) as route_span:
-            try:
-                started = await _unless_client_leaves(session, request, keepalive.started_within(start, grace))
-                if not started and route_span.is_recording():
-                    route_span.set_attribute("fairshare.keepalive", True)
-            except APIError as e:
-                set_error(route_span, e.code)
-                raise
-            except BaseException as e:
-                set_error(route_span, "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
-                raise
+        started = await _unless_client_leaves(session, request, keepalive.started_within(start, grace))
+        if not started and route_span.is_recording():
+            route_span.set_attribute("fairshare.keepalive", True)
     except BaseException:
         start.cancel()
         await asyncio.gather(start, return_exceptions=True)
@@ -754,6 +751,16 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     finally:
         await session.settle()
     return session, body
+
+
+def _end_routing_span(span: trace.Span, task: asyncio.Future) -> None:
+    """End the ``gateway.routing`` span when its start task ends (error type when it failed)."""
+    if task.cancelled():
+        set_error(span, "cancelled")
+    elif task.exception() is not None:
+        e = task.exception()
+        set_error(span, e.code if isinstance(e, APIError) else type(e).__name__)
+    span.end()
 
 
 _INLINE_TOKENIZE_BYTES = 16 * 1024
