@@ -7,6 +7,7 @@
     fairshare bench recovery [...]  (`fairshare up` healing a kill -9; fairshare/recovery_bench.py)
     fairshare bench chaos [--minutes 10] [...]  (mixed load while Redis, a worker and the gateway are
                                       killed at random; outcomes and leaks; fairshare/chaos_bench.py)
+    fairshare bench grammar [...]   (cost of grammar-constrained decoding; worker/engine/grammar_bench.py)
 
 `engine`: decode throughput of the reference engine (continuous batching, paged KV) at each batch
 size, and in the same run transformers' `generate` at static batch 8 on the same weights; prints
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare bench`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|chaos} [options]")
+        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|grammar|chaos} [options]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -117,5 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         from fairshare.chaos_bench import main as chaos_bench
 
         return chaos_bench(rest)
+    if what == "grammar":
+        from worker.engine.grammar_bench import main as grammar_bench
+
+        return grammar_bench(rest)
     print(f"fairshare bench: unknown benchmark {what!r}", file=sys.stderr)
     return 2

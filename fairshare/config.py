@@ -11,8 +11,10 @@ Tenants file (YAML, e.g. ``tenants.yaml``)::
           tpm: 200000             # tokens per minute (bucket; reserves prompt + max_tokens)
           max_inflight_tokens: 32768      # sum of prompt + max_tokens over running requests
           max_concurrent_requests: 16
-        allowed_models: ["*"]     # model names or "*" (default: all)
+        models: ["*"]             # model names it may use, or "*" (default: all); alias allowed_models
         request_timeout_s: 120    # optional: this tenant's deadline per request (default: its tier's)
+        default_max_tokens: 512   # optional: output tokens of a chat completion without max_tokens
+                                  # (or per model: {SmolLM2-135M-Instruct: 256, "*": 512})
         api_key_digests: []       # optional inline HMAC-SHA256 digests (hex); usually in the keys file
       - id: nightly
         weight: 0.5
@@ -72,18 +74,43 @@ class TenantLimits(BaseModel):
 
 
 class TenantConfig(BaseModel):
-    """One tenant: identity, share (weight, tier), limits and the models it may use."""
+    """One tenant: identity, share (weight, tier), limits, the models it may use (``models``, also
+    spelled ``allowed_models``) and, optionally, its own default output budget for chat completions
+    sent without ``max_tokens`` (tokens; one number, or per model name with ``*`` for the rest)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     id: str = Field(pattern=TENANT_ID_PATTERN)
     weight: float = Field(default=1.0, gt=0)
     tier: Tier = Tier.INTERACTIVE
     limits: TenantLimits = Field(default_factory=TenantLimits)
-    allowed_models: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_models: list[str] = Field(default_factory=lambda: ["*"], alias="models")
     # the deadline of each of its requests, seconds (None: its tier's default; gateway/deadlines.py)
     request_timeout_s: float | None = Field(default=None, gt=0)
+    default_max_tokens: int | dict[str, int] | None = None
     api_key_digests: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_models_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "models" in data and "allowed_models" in data:
+            raise ValueError("give either models or allowed_models (the same list), not both")
+        return data
+
+    @field_validator("default_max_tokens")
+    @classmethod
+    def _positive_defaults(cls, v):
+        values = [v] if isinstance(v, int) else list((v or {}).values())
+        if any(isinstance(x, bool) or x <= 0 for x in values):
+            raise ValueError("default_max_tokens must be > 0")
+        return v
+
+    def default_max_tokens_for(self, names: list[str]) -> int | None:
+        """This tenant's chat default for a model known by `names` (requested name first), or None."""
+        v = self.default_max_tokens
+        if v is None or isinstance(v, int):
+            return v
+        return next((v[n] for n in (*names, "*") if n in v), None)
 
     @field_validator("api_key_digests")
     @classmethod
@@ -153,6 +180,21 @@ class KeysFile(BaseModel):
 # `fairshare up` forwards such lines to its terminal as one-line notices (fairshare/supervisor.py).
 CONFIG_RELOADED = "config reloaded:"
 CONFIG_REJECTED = "config rejected:"
+
+
+def default_state_dir() -> Path:
+    """Where `fairshare up` keeps its state (tenants.yaml, tenants.keys.yaml, secret, logs):
+    ``$FAIRSHARE_STATE_DIR``; else ``./var`` in a source checkout; else ``~/.local/state/fairshare``
+    (``$XDG_STATE_HOME/fairshare``)."""
+    env = os.environ.get("FAIRSHARE_STATE_DIR")
+    if env:
+        return Path(env).expanduser()
+    cwd = Path.cwd()
+    if (cwd / "pyproject.toml").is_file() and (cwd / "fairshare").is_dir():
+        return cwd / "var"
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
+    return base / "fairshare"
 
 
 def load_tenants(path: str | os.PathLike) -> TenantsFile:

@@ -66,7 +66,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from fairshare.config import CONFIG_REJECTED, CONFIG_RELOADED
+from fairshare.config import CONFIG_REJECTED, CONFIG_RELOADED, default_state_dir
 from fairshare.procs import find_redis_server, free_port, port_in_use, start_redis
 from fairshare.supervisor import (SIGNALS, STOP_TIMEOUT_S, Child, ChildDied, ChildSpec, CrashLoop, Stop, Supervisor,
                                   _die_with_parent, shown_path, spawn)
@@ -95,19 +95,6 @@ class UpError(Exception):
 # --------------------------------------------------------------------------------------------
 # State directory
 # --------------------------------------------------------------------------------------------
-
-def default_state_dir() -> Path:
-    """``$FAIRSHARE_STATE_DIR``; else ``./var`` in a source checkout; else ``~/.local/state/fairshare``."""
-    env = os.environ.get("FAIRSHARE_STATE_DIR")
-    if env:
-        return Path(env).expanduser()
-    cwd = Path.cwd()
-    if (cwd / "pyproject.toml").is_file() and (cwd / "fairshare").is_dir():
-        return cwd / "var"
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".local" / "state"
-    return base / "fairshare"
-
 
 def ensure_secret(path: Path) -> None:
     """Create the server secret once (mode 0600); leave an existing one alone."""

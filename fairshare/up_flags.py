@@ -56,6 +56,8 @@ PASS_THROUGH: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--request-timeout-s", (GATEWAY,)),
     ("--redis-outage-policy", (GATEWAY,)),
     ("--max-body-bytes", (GATEWAY,)),
+    ("--default-max-tokens", (GATEWAY,)),
+    ("--tool-call-parser", (GATEWAY,)),
     # both tiers
     ("--otel-exporter", (WORKER, GATEWAY)),
 )

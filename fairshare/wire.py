@@ -5,6 +5,9 @@
 - `TIER_ENUMS`: tier name → `fairshare.v1.Tier` value.
 - `FINISH_ENUMS`: finish reason name (`stop` | `length` | `abort`) → `fairshare.v1.FinishReason`.
 - `SERVICE_NAME`: the gRPC service name, also used for `grpc.health.v1` checks.
+- `INVALID_METADATA_KEY`: trailing-metadata key of a worker's INVALID_ARGUMENT that names the faulty
+  input (value ``grammar``: the request's grammar does not compile), so the gateway can answer with
+  the right OpenAI ``param``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 from fairshare.v1 import worker_pb2
 
 SERVICE_NAME = "fairshare.v1.Worker"
+INVALID_METADATA_KEY = "fairshare-invalid"
 
 TIER_NAMES = {
     worker_pb2.TIER_UNSPECIFIED: "interactive",

@@ -4,13 +4,20 @@ Request path (``/v1/chat/completions`` and ``/v1/completions``):
 
 1. authenticate the API key -> tenant (401 otherwise);
 2. validate the body (400 ``invalid_request_error`` naming ``param``), resolve the model (404);
-3. render the chat template and tokenize; check the context (400 ``context_length_exceeded``);
+3. render the chat template (with the request's tools) and tokenize; check the context (400
+   ``context_length_exceeded``); without ``max_tokens`` the output budget is the declared default
+   (16 for ``/v1/completions``; for chat the tenant's, else the model's, else 1024 tokens; never more
+   than the context the prompt leaves);
 4. admit in one Redis call: RPM, TPM (reserving ``prompt + n * max_tokens``), in-flight tokens and
    concurrent requests (429 with ``retry-after`` otherwise);
 5. start the generation(s) on the least-loaded worker, retrying on another worker until the first
    token, and only then answer: a JSON body or an SSE stream, ``x-ratelimit-*`` headers on both;
 6. settle exactly once on success, error or client disconnect: cancel the gRPC streams (the worker
    aborts), refund ``reserved - (prompt + completion actually used)`` TPM tokens, release the lease.
+
+What the output must follow and what comes back with it is the request's `OutputPlan`: logprobs
+(gateway/logprobs.py), a grammar (response_format, forced tool calls: gateway/structured.py) and the
+model's tool-call parser (gateway/tools.py), which turns tool-call text into ``tool_calls``.
 
 Each request is one ``gateway.request`` trace (gateway/tracing.py) with spans for auth, tokenize,
 admission, routing, each worker call (whose context the worker continues) and streaming.
@@ -50,17 +57,20 @@ from . import schemas
 from .admission import Admission, Decision, Lease
 from .auth import Principal, TenantDirectory, bearer_key
 from . import keepalive
-from .config import GatewaySettings
+from .config import COMPLETIONS_DEFAULT_MAX_TOKENS, GatewaySettings
 from .deadlines import Deadline, request_deadline
 from .errors import (APIError, from_validation_error, install_handlers, invalid_request, model_not_found, retry_headers,
                      unavailable)
+from .logprobs import CompletionLogprobs, TokenTexts, chat_content
 from .metrics import UNKNOWN_TENANT, GatewayMetrics
 from .openapi import openapi_document
 from .outage import AdmissionControl, RedisUnavailable
 from .progress import OutputRates
 from .routing import Generation, ModelEntry, WorkerPool, start_generation
 from .sse import DONE, SSEResponse, event
+from .structured import grammar_for
 from .tokenization import TemplateError, load_tokenizer_dir
+from .tools import ToolCallParser, ToolCallStream, get_parser
 from .tracing import end_request_span, gateway_tracer, set_error
 
 log = logging.getLogger("fairshare.gateway")
@@ -108,6 +118,34 @@ class Gateway:
 # -- one request's generation and settlement --------------------------------------------------------
 
 @dataclass
+class OutputPlan:
+    """What a request's output must follow and what is returned with it.
+
+    logprobs / top_logprobs: per-token log probabilities (chat ``top_logprobs``; completions
+    ``logprobs: N`` asks for N alternatives). grammar / grammar_param: the worker-side constraint and
+    the request field it comes from (for a 400 when the worker cannot compile it). tool_format: the
+    model's tool-call parser (renders tools into prompts whose template cannot); parser: the same when
+    it also reads the output (tools given and tool_choice not none; None: plain content); tools: the
+    request's tools as dicts. skip: token ids that end generation and never appear in text (left out
+    of logprobs). texts: the model's token strings (for logprobs).
+    """
+
+    logprobs: bool = False
+    top_logprobs: int = 0
+    grammar: pb.Grammar | None = None
+    grammar_param: str | None = None
+    tool_format: ToolCallParser | None = None
+    parser: ToolCallParser | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    skip: set[int] = field(default_factory=set)
+    texts: TokenTexts | None = None
+
+    def tool_stream(self) -> ToolCallStream | None:
+        """A fresh tool-call reader for one choice (None when tool calls are not parsed)."""
+        return None if self.parser is None else self.parser.stream(self.tools)
+
+
+@dataclass
 class Job:
     """One choice: a prompt (group) sampled once. Token counts in tokens."""
 
@@ -125,6 +163,10 @@ class Job:
     first_at: float | None = None  # perf_counter() of its first and latest output tokens (gateway/progress.py)
     last_at: float | None = None
     first_tokens: int = 0  # tokens in the message that carried the first ones
+    logprobs: list = field(default_factory=list)  # pb.TokenLogprob entries received so far
+    tools: ToolCallStream | None = None           # tool-call reader of this choice (streams)
+    calls_sent: int = 0                           # tool calls streamed so far
+    completion_logprobs: CompletionLogprobs | None = None  # text completions: offsets across chunks
 
 
 class Session:
@@ -132,8 +174,9 @@ class Session:
 
     def __init__(self, gw: Gateway, principal: Principal, entry: ModelEntry, model: str, jobs: list[Job],
                  lease: Lease, decision: Decision, rid: str, endpoint: str, t0: float,
-                 deadline: Deadline | None = None) -> None:
+                 plan: OutputPlan | None = None, deadline: Deadline | None = None) -> None:
         self.gw = gw
+        self.plan = plan or OutputPlan()
         self.principal = principal
         self.entry = entry
         self.model = model
@@ -178,6 +221,8 @@ class Session:
         job.completion_tokens += len(msg.token_ids)
         if msg.text_delta:
             job.text.append(msg.text_delta)
+        if msg.logprobs:
+            job.logprobs.extend(msg.logprobs)
         if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             job.finish_reason = schemas.FINISH.get(msg.finish_reason, "stop")
             if msg.HasField("usage"):
@@ -628,6 +673,8 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     if req.stop_token_ids and max(req.stop_token_ids) >= entry.tokenizer.vocab_size():
         raise invalid_request(f"Invalid token id in 'stop_token_ids': ids must be < {entry.tokenizer.vocab_size()}.",
                               "stop_token_ids", "invalid_value")
+    names = [model, *entry.names]
+    plan = _output_plan(gw, entry, names, kind, req)
 
     # tokenize (large inputs on a thread, so the event loop keeps streaming other requests)
     param = "messages" if kind == "chat" else "prompt"
@@ -635,9 +682,9 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
                                          set_status_on_exception=False) as tok_span:
         try:
             if size > _INLINE_TOKENIZE_BYTES:
-                prompts = await asyncio.to_thread(_tokenize, entry, kind, req)
+                prompts = await asyncio.to_thread(_tokenize, entry, kind, req, plan)
             else:
-                prompts = _tokenize(entry, kind, req)
+                prompts = _tokenize(entry, kind, req, plan)
         except TemplateError as e:
             set_error(tok_span, "invalid_value")
             raise invalid_request(f"Invalid 'messages': {e}", "messages", "invalid_value") from None
@@ -661,7 +708,11 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     if requested is None:
         if longest >= ctx:
             raise _context_error(ctx, longest, None, param)
-        max_tokens = ctx - longest  # the rest of the context ...
+        if kind == "text":  # OpenAI's documented default
+            default = COMPLETIONS_DEFAULT_MAX_TOKENS
+        else:  # the tenant's declared default, else the operator's for this model
+            default = tenant.default_max_tokens_for(names) or gw.settings.chat_default_max_tokens(names)
+        max_tokens = min(default, ctx - longest)  # never more than the context the prompt leaves ...
         lim = tenant.limits
         caps = [c for c in (lim.tpm, lim.max_inflight_tokens) if c is not None]
         if caps:  # ... but no more than the tenant could ever be admitted for
@@ -716,7 +767,7 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
             seed = None if req.seed is None else (req.seed + i + 2**63) % 2**64 - 2**63  # stays an int64
             jobs.append(Job(index=g * n + i, group=g, prompt_ids=p, max_tokens=max_tokens, seed=seed))
     session = Session(gw, principal, entry, model, jobs, lease, decision, rid, "chat" if kind == "chat" else "text", t0,
-                      deadline=deadline)
+                      plan, deadline=deadline)
     lease.remaining_s = lambda: gw.rates.remaining_s(model, jobs)  # refreshed in Redis at each renewal
     gw.live.add(session)
 
@@ -766,11 +817,27 @@ def _end_routing_span(span: trace.Span, task: asyncio.Future) -> None:
 _INLINE_TOKENIZE_BYTES = 16 * 1024
 
 
-def _tokenize(entry: ModelEntry, kind: str, req) -> list[list[int]]:
+def _output_plan(gw: Gateway, entry: ModelEntry, names: list[str], kind: str, req) -> OutputPlan:
+    """The request's `OutputPlan`. Raises APIError 400 (a forced tool call the model's parser cannot
+    express; gateway/structured.py)."""
+    skip = set(entry.eos_token_ids) | set(req.stop_token_ids or ())
+    if kind == "text":
+        wanted = req.logprobs is not None
+        return OutputPlan(logprobs=wanted, top_logprobs=int(req.logprobs or 0), skip=skip,
+                          texts=entry.token_texts() if wanted else None)
+    parser = get_parser(gw.settings.tool_parser_name(names))
+    grammar, grammar_param = grammar_for(req, parser)
+    return OutputPlan(logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs_n() if req.logprobs else 0,
+                      grammar=grammar, grammar_param=grammar_param, tool_format=parser,
+                      parser=parser if req.calls_tools() else None, tools=req.tool_dicts(), skip=skip,
+                      texts=entry.token_texts() if req.logprobs else None)
+
+
+def _tokenize(entry: ModelEntry, kind: str, req, plan: OutputPlan) -> list[list[int]]:
     """Token ids of each prompt (chat: one). Raises TemplateError, or APIError 400 for bad token ids."""
     tok = entry.tokenizer
     if kind == "chat":
-        return [tok.encode_chat(req.template_messages())]
+        return [tok.encode_chat(req.template_messages(), plan.tools or None, plan.tool_format)]
     prompts = []
     vocab = tok.vocab_size()
     for p in req.prompts():
@@ -786,6 +853,7 @@ def _tokenize(entry: ModelEntry, kind: str, req) -> list[list[int]]:
 
 def _generate_request(session: Session, job: Job, req) -> pb.GenerateRequest:
     t = session.tenant
+    plan = session.plan
     sp = pb.SamplingParams(
         max_tokens=job.max_tokens,
         temperature=1.0 if req.temperature is None else float(req.temperature),
@@ -794,7 +862,11 @@ def _generate_request(session: Session, job: Job, req) -> pb.GenerateRequest:
         stop=req.stops(),
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=bool(req.ignore_eos),
+        logprobs=plan.logprobs,
+        top_logprobs=plan.top_logprobs,
     )
+    if plan.grammar is not None:
+        sp.grammar.CopyFrom(plan.grammar)
     if job.seed is not None:
         sp.seed = job.seed
     rid = session.rid if len(session.jobs) == 1 else f"{session.rid}.{job.index}"
@@ -817,6 +889,8 @@ async def _start_all(gw: Gateway, session: Session, req) -> None:
         except APIError as e:
             if e.status == 504 and e.code == "timeout":  # the deadline passed while it was queued
                 raise session.deadline_info.error(started=False) from None
+            if e.code == "invalid_grammar":  # the worker could not compile it: name the field
+                e.param, e.code = session.plan.grammar_param, "invalid_value"
             raise
 
     if len(session.jobs) == 1:
@@ -961,30 +1035,68 @@ async def _collect(session: Session, request: Request, kind: str) -> dict[str, A
     _check_finished(session)
     session.finished = True
     created = int(time.time())
-    choices = [("".join(j.text), j.finish_reason or "stop") for j in session.jobs]
-    build = schemas.chat_completion if kind == "chat" else schemas.text_completion
-    return build(session.rid, created, session.model, choices, session.usage_dict(), session.entry.fingerprint)
+    plan = session.plan
+    if kind == "chat":
+        choices = [_chat_choice(plan, j) for j in session.jobs]
+        return schemas.chat_completion(session.rid, created, session.model, choices, session.usage_dict(),
+                                       session.entry.fingerprint)
+    texts = [("".join(j.text), j.finish_reason or "stop",
+              CompletionLogprobs(plan.texts).add(j.logprobs, plan.skip) if plan.logprobs else None)
+             for j in session.jobs]
+    return schemas.text_completion(session.rid, created, session.model, texts, session.usage_dict(),
+                                   session.entry.fingerprint)
+
+
+def _finish_reason(job: Job, made_calls: bool) -> str:
+    """OpenAI's finish reason: ``tool_calls`` when the choice ended normally after calling tools."""
+    reason = job.finish_reason or "stop"
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+def _chat_choice(plan: OutputPlan, job: Job) -> dict[str, Any]:
+    """A non-streamed chat choice: the text read by the tool-call parser (the same reader the
+    stream uses), its logprobs."""
+    text = "".join(job.text)
+    calls: list[dict[str, Any]] = []
+    reader = plan.tool_stream()
+    if reader is not None:
+        content, calls = reader.feed(text)
+        rest, more = reader.finish()
+        text, calls = content + rest, calls + more
+    logprobs = chat_content(plan.texts, job.logprobs, plan.skip) if plan.logprobs else None
+    return schemas.chat_choice(job.index, None if calls and not text else text, _finish_reason(job, bool(calls)),
+                               calls or None, logprobs)
 
 
 def _chat_stream(session: Session, req: schemas.ChatCompletionRequest) -> AsyncIterator[bytes]:
     created = int(time.time())
     fp = session.entry.fingerprint
     with_usage = req.include_usage()
+    plan = session.plan
+    for j in session.jobs:
+        j.tools = plan.tool_stream()
 
-    def chunk(index, delta=None, finish=None):
+    def chunk(index, delta=None, finish=None, logprobs=None):
         return event(schemas.chat_chunk(session.rid, created, session.model, fp, index, delta, finish, None,
-                                        with_usage))
-
-    def final(job: Job) -> bytes:
-        return chunk(job.index, {}, job.finish_reason)
+                                        with_usage, logprobs))
 
     async def body(job: Job, msg) -> list[bytes]:
         out = []
         text = session.record(job, msg)
-        if text:
-            out.append(chunk(job.index, {"content": text}))
+        calls: list[dict[str, Any]] = []
+        if job.tools is not None:
+            text, calls = job.tools.feed(text)
+            if job.finish_reason is not None:
+                rest, more = job.tools.finish()
+                text, calls = text + rest, calls + more
+        logprobs = chat_content(plan.texts, msg.logprobs, plan.skip) if plan.logprobs else None
+        if text or logprobs:
+            out.append(chunk(job.index, {"content": text}, logprobs=logprobs))
+        for call in calls:
+            out.append(chunk(job.index, {"tool_calls": [{"index": job.calls_sent, **call}]}))
+            job.calls_sent += 1
         if job.finish_reason is not None:
-            out.append(final(job))
+            out.append(chunk(job.index, {}, _finish_reason(job, job.calls_sent > 0)))
         return out
 
     return _stream(session, [chunk(j.index, {"role": "assistant", "content": ""}) for j in session.jobs], body,
@@ -998,15 +1110,24 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
     fp = session.entry.fingerprint
     with_usage = req.include_usage()
 
-    def chunk(index, text="", finish=None):
+    plan = session.plan
+    for j in session.jobs:
+        j.completion_logprobs = CompletionLogprobs(plan.texts) if plan.logprobs else None
+
+    def chunk(index, text="", finish=None, logprobs=None):
         return event(schemas.text_chunk(session.rid, created, session.model, fp, index, text, finish, None,
-                                        with_usage))
+                                        with_usage, logprobs))
 
     async def body(job: Job, msg) -> list[bytes]:
         out = []
         text = session.record(job, msg)
-        if text:
-            out.append(chunk(job.index, text))
+        logprobs = None
+        if job.completion_logprobs is not None:
+            logprobs = job.completion_logprobs.add(msg.logprobs, plan.skip)
+            if not logprobs["tokens"]:
+                logprobs = None
+        if text or logprobs:
+            out.append(chunk(job.index, text, logprobs=logprobs))
         if job.finish_reason is not None:
             out.append(chunk(job.index, "", job.finish_reason))
         return out

@@ -57,19 +57,55 @@ def create_key(secret: bytes, tenant_id: str, keys_path: str | os.PathLike,
     The key itself is returned once and never stored. Raises KeyError when `tenants` is given and has
     no such tenant. Concurrent callers are serialised with an exclusive lock file next to the keys file.
     """
+    key = new_key()
+    return key, store_key(secret, tenant_id, key, keys_path, tenants)
+
+
+MIN_IMPORTED_KEY_CHARS = 16
+MAX_IMPORTED_KEY_CHARS = 1024
+
+
+def check_imported_key(key: str) -> str:
+    """`key` as it will be stored (surrounding whitespace removed). Raises ValueError unless it is
+    one line of 16-1024 printable ASCII characters without spaces (what API keys look like; shorter
+    ones are too easy to guess)."""
+    key = key.strip()
+    if not key:
+        raise ValueError("no key given (pipe it on standard input)")
+    if any(c.isspace() for c in key) or not key.isascii() or not key.isprintable():
+        raise ValueError("a key is one line of printable ASCII without spaces")
+    if not MIN_IMPORTED_KEY_CHARS <= len(key) <= MAX_IMPORTED_KEY_CHARS:
+        raise ValueError(f"a key has {MIN_IMPORTED_KEY_CHARS}-{MAX_IMPORTED_KEY_CHARS} characters "
+                         f"(this one has {len(key)})")
+    return key
+
+
+def store_key(secret: bytes, tenant_id: str, key: str, keys_path: str | os.PathLike,
+              tenants: TenantsFile | None = None) -> KeyRecord:
+    """Store the digest of `key` for `tenant_id` in the keys file and return its record; the key
+    itself is never written. Used for new keys and for existing ones brought from another gateway.
+
+    Raises KeyError when `tenants` is given and has no such tenant, ValueError when the same key is
+    already stored (for any tenant). Serialised with an exclusive lock file next to the keys file.
+    """
     if tenants is not None and tenant_id not in tenants.by_id():
         raise KeyError(f"unknown tenant {tenant_id!r}")
-    key = new_key()
-    record = KeyRecord(key_id="key_" + secrets.token_hex(6), tenant=tenant_id, digest=key_digest(secret, key),
+    digest = key_digest(secret, key)
+    if tenants is not None and any(digest in t.api_key_digests for t in tenants.tenants):
+        raise ValueError("this key is already in the tenants file")
+    record = KeyRecord(key_id="key_" + secrets.token_hex(6), tenant=tenant_id, digest=digest,
                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
     keys_path = Path(keys_path)
     keys_path.parent.mkdir(parents=True, exist_ok=True)
     with open(keys_path.with_name(keys_path.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         keys = load_keys(keys_path)
+        same = next((k for k in keys.keys if hmac.compare_digest(k.digest, digest)), None)
+        if same is not None:
+            raise ValueError(f"this key is already stored ({same.key_id}, tenant {same.tenant})")
         keys.keys.append(record)
         save_keys(keys_path, keys)
-    return key, record
+    return record
 
 
 def revoke_key(keys_path: str | os.PathLike, key_id: str) -> bool:
@@ -224,5 +260,5 @@ class TenantDirectory:
         return self.principal_for(tenant_id)
 
 
-__all__ = ["APIError", "Principal", "TenantDirectory", "bearer_key", "cache_namespace", "create_key",
-           "key_digest", "new_key", "revoke_key"]
+__all__ = ["APIError", "Principal", "TenantDirectory", "bearer_key", "cache_namespace", "check_imported_key",
+           "create_key", "key_digest", "new_key", "revoke_key", "store_key"]

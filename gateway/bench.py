@@ -33,6 +33,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fairshare import worker_auth
 from fairshare.procs import free_port, start_redis, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         key, _ = create_key(secret.encode(), "bench", tmp_path / "tenants.keys.yaml")
         gport = free_port()
         env = dict(os.environ, FAIRSHARE_SECRET=secret)
+        if not (env.get(worker_auth.KEYS_ENV) or env.get(worker_auth.KEYS_FILE_ENV)):  # it signs as in production
+            env[worker_auth.KEYS_ENV] = worker_auth.new_key_text("bench").strip()
         gw = subprocess.Popen([sys.executable, "-m", "fairshare.cli", "gateway", "--host", "127.0.0.1", "--port",
                                str(gport), "--tenants", str(tenants), "--workers", echo.addr, "--redis-url", redis_url,
                                "--log-level", "warning"], env=env, stdout=subprocess.DEVNULL,

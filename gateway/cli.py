@@ -26,6 +26,9 @@ Gateway
                       [--max-body-bytes 8388608]
                       [--metrics-port 0] [--metrics-host 127.0.0.1]  # /metrics on an admin listener
                       [--metrics-token-file FILE] [--public-metrics]
+                      [--default-max-tokens N | 'MODEL=N,*=M']  # chat output budget without max_tokens
+                                                        # (default 1024; completions: 16; docs/api.md)
+                      [--tool-call-parser hermes|none | 'MODEL=hermes,*=none']  # tool-call format
 
 Every flag has an environment variable read with pydantic-settings (flags win over env):
 ``FAIRSHARE_HOST``, ``FAIRSHARE_PORT``, ``FAIRSHARE_TENANTS_FILE``, ``FAIRSHARE_WORKERS``
@@ -39,8 +42,9 @@ Every flag has an environment variable read with pydantic-settings (flags win ov
 ``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS``, ``FAIRSHARE_TIER_REQUEST_TIMEOUT_S``,
 ``FAIRSHARE_KEEPALIVE_INTERVAL_S``, ``FAIRSHARE_WORKER_KEYS`` (the keys themselves),
 ``FAIRSHARE_WORKER_KEYS_FILE``, ``FAIRSHARE_WORKER_AUTH``, ``FAIRSHARE_WORKER_TOKEN_TTL_S`` (see
-docs/reliability.md). The gateway refuses to start without a secret, and without worker-auth keys
-unless ``--no-worker-auth``.
+docs/reliability.md), ``FAIRSHARE_DEFAULT_MAX_TOKENS``, ``FAIRSHARE_TOOL_CALL_PARSER`` (docs/api.md).
+The gateway refuses to start without a secret, and without worker-auth keys unless
+``--no-worker-auth``.
 
 ``/metrics`` (every tenant's figures) is not served to API clients on the public port: operators
 scrape the admin listener (``--metrics-port``), or the public port with the metrics token
@@ -59,9 +63,10 @@ Keys
 ----
 ::
 
-    fairshare keys create --tenant ID --tenants FILE [--secret-file FILE] [--keys-file FILE]
-    fairshare keys list   --tenants FILE [--keys-file FILE]
-    fairshare keys revoke --tenants FILE --key-id KID [--keys-file FILE]
+    fairshare keys create --tenant ID [--tenants FILE] [--secret-file FILE] [--keys-file FILE]
+    fairshare keys import --tenant ID [--tenants FILE] [--secret-file FILE] [--keys-file FILE] < key.txt
+    fairshare keys list   [--tenants FILE] [--keys-file FILE]
+    fairshare keys revoke --key-id KID [--tenants FILE] [--keys-file FILE]
 
 ``keys create`` prints the new key (``sk-fs-...``) once on stdout (one line, nothing else) and stores
 only its HMAC-SHA256 digest under the server secret in the **keys file** (default
@@ -69,6 +74,16 @@ only its HMAC-SHA256 digest under the server secret in the **keys file** (defaul
 ``tenants.keys.yaml``); the tenants file itself is never rewritten. When ``--secret-file`` names a
 file that does not exist yet, ``keys create`` creates it (random 32 bytes, hex, mode 0600), so
 ``fairshare up`` can run ``keys create --secret-file S`` and then ``gateway --secret-file S``.
+
+``keys import`` brings an existing key (e.g. from another gateway) over: it reads the key on standard
+input (a prompt without echo on a terminal; never a command-line argument, which other users can
+see in the process list), checks it looks like a key (one line, 16-1024 printable characters) and
+stores only its digest, like ``create``. A key already stored is refused.
+
+Without ``--tenants`` (and ``FAIRSHARE_TENANTS_FILE``) the commands use the state directory of
+``fairshare up`` (``$FAIRSHARE_STATE_DIR``, ``./var`` in a source checkout, else
+``~/.local/state/fairshare``) when it holds a ``tenants.yaml``; without ``--secret-file`` (and
+``FAIRSHARE_SECRET[_FILE]``) they use the ``secret`` file next to the tenants file when there is one.
 """
 
 from __future__ import annotations
@@ -77,6 +92,7 @@ import argparse
 import logging
 import re
 import sys
+from pathlib import Path
 
 
 def _settings_from_args(args: argparse.Namespace):
@@ -87,7 +103,8 @@ def _settings_from_args(args: argparse.Namespace):
                  "lease_ttl_s", "log_level", "otel_exporter", "redis_outage_policy", "gateway_replicas",
                  "redis_timeout_s", "drain_timeout_s", "request_timeout_s", "max_body_bytes", "metrics_port",
                  "metrics_host", "metrics_token_file", "public_metrics", "tier_request_timeout_s",
-                 "keepalive_interval_s", "worker_keys_file", "worker_auth", "worker_token_ttl_s"):
+                 "keepalive_interval_s", "worker_keys_file", "worker_auth", "worker_token_ttl_s",
+                 "default_max_tokens", "tool_call_parser"):
         v = getattr(args, name, None)
         if v is not None:
             overrides[name] = v
@@ -150,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding a token that may read /metrics on the public port (Authorization: Bearer)")
     p.add_argument("--public-metrics", dest="public_metrics", action="store_true", default=None,
                    help="serve /metrics to anyone on the public port (only where tenants cannot reach it)")
+    p.add_argument("--default-max-tokens", dest="default_max_tokens",
+                   help="output tokens of a chat completion sent without max_tokens: N for every model, or "
+                        "'MODEL=N,*=M' (default 1024; a tenant's default_max_tokens wins; completions: 16)")
+    p.add_argument("--tool-call-parser", dest="tool_call_parser",
+                   help="how models write tool calls: hermes (default) or none, for every model or "
+                        "'MODEL=hermes,*=none'")
     return p
 
 
@@ -217,24 +240,42 @@ def build_keys_parser() -> argparse.ArgumentParser:
                                 "digests under the server secret; the key itself is printed once).")
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, help_text in (("create", "create a key for a tenant and print it once"),
+                            ("import", "store the digest of an existing key read on standard input"),
                             ("list", "list key ids and tenants"), ("revoke", "remove a key by id")):
         s = sub.add_parser(name, help=help_text)
-        s.add_argument("--tenants", dest="tenants_file", help="tenants YAML file (or FAIRSHARE_TENANTS_FILE)")
+        s.add_argument("--tenants", dest="tenants_file", help="tenants YAML file (or FAIRSHARE_TENANTS_FILE; "
+                       "default: tenants.yaml in the fairshare up state directory)")
         s.add_argument("--keys-file", dest="keys_file", help="digests file (default <tenants stem>.keys.yaml)")
-        if name == "create":
+        if name in ("create", "import"):
             s.add_argument("--tenant", required=True, help="tenant id")
             s.add_argument("--secret-file", dest="secret_file", help="server secret file; created when missing "
-                           "(or set FAIRSHARE_SECRET)")
+                           "(or set FAIRSHARE_SECRET; default: the secret next to the tenants file)")
         if name == "revoke":
             s.add_argument("--key-id", dest="key_id", required=True)
     return p
 
 
+def _has_secret(settings) -> bool:
+    return bool(settings.secret is not None and settings.secret.get_secret_value()) or settings.secret_file is not None
+
+
+def _read_key() -> str:
+    """The key to import from standard input: a prompt without echo on a terminal, else the input."""
+    if sys.stdin.isatty():
+        import getpass
+
+        return getpass.getpass("API key to import (not echoed): ")
+    return sys.stdin.read(MAX_STDIN_KEY_BYTES)
+
+
+MAX_STDIN_KEY_BYTES = 4096
+
+
 def keys_main(argv: list[str] | None = None) -> int:
     """`fairshare keys create|list|revoke`; returns the exit code."""
-    from fairshare.config import load_keys, load_tenants
+    from fairshare.config import default_state_dir, load_keys, load_tenants
 
-    from .auth import create_key, revoke_key
+    from .auth import check_imported_key, create_key, revoke_key, store_key
     from .config import GatewaySettings, ensure_secret_file
 
     args = build_keys_parser().parse_args(argv)
@@ -242,15 +283,23 @@ def keys_main(argv: list[str] | None = None) -> int:
                                    ("secret_file", getattr(args, "secret_file", None))) if v is not None}
     settings = GatewaySettings(**overrides)
     if settings.tenants_file is None:
-        print("fairshare keys: --tenants FILE is required (or FAIRSHARE_TENANTS_FILE)", file=sys.stderr)
-        return 2
+        found = default_state_dir() / "tenants.yaml"
+        if not found.is_file():
+            print(f"fairshare keys: --tenants FILE is required (or FAIRSHARE_TENANTS_FILE); there is no "
+                  f"{found} (the fairshare up state directory)", file=sys.stderr)
+            return 2
+        settings = GatewaySettings(**{**overrides, "tenants_file": found})
+        print(f"fairshare keys: using {found}", file=sys.stderr)
+    beside = Path(settings.tenants_file).with_name("secret")  # fairshare up keeps it next to tenants.yaml
+    if args.cmd in ("create", "import") and not _has_secret(settings) and beside.is_file():
+        settings = GatewaySettings(**{**overrides, "tenants_file": settings.tenants_file, "secret_file": beside})
     keys_path = settings.resolved_keys_file()
     try:
         tenants = load_tenants(settings.tenants_file)
     except Exception as e:
         print(f"fairshare keys: cannot read {settings.tenants_file}: {e}", file=sys.stderr)
         return 2
-    if args.cmd == "create":
+    if args.cmd in ("create", "import"):
         if settings.secret is not None and settings.secret.get_secret_value():
             secret = settings.secret_bytes()
         elif settings.secret_file is not None:
@@ -260,12 +309,20 @@ def keys_main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         try:
-            key, record = create_key(secret, args.tenant, keys_path, tenants)
+            if args.cmd == "create":
+                key, record = create_key(secret, args.tenant, keys_path, tenants)
+            else:
+                record = store_key(secret, args.tenant, check_imported_key(_read_key()), keys_path, tenants)
         except KeyError as e:
             print(f"fairshare keys: {e.args[0]} (not in {settings.tenants_file})", file=sys.stderr)
             return 2
-        print(key)
-        print(f"created {record.key_id} for tenant {record.tenant}; digest stored in {keys_path}", file=sys.stderr)
+        except ValueError as e:
+            print(f"fairshare keys: {e}", file=sys.stderr)
+            return 2
+        if args.cmd == "create":
+            print(key)
+        verb = "created" if args.cmd == "create" else "imported"
+        print(f"{verb} {record.key_id} for tenant {record.tenant}; digest stored in {keys_path}", file=sys.stderr)
         return 0
     if args.cmd == "list":
         for k in load_keys(keys_path).keys:

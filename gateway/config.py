@@ -17,6 +17,32 @@ from fairshare.config import Tier, default_keys_path
 
 OutagePolicy = Literal["fail_closed", "degrade"]
 DEFAULT_TIER_TIMEOUTS_S: dict[Tier, float | None] = {Tier.INTERACTIVE: 600.0, Tier.BATCH: None, Tier.BACKGROUND: None}
+# output tokens of a chat completion sent without max_tokens, when no default is declared for it
+CHAT_DEFAULT_MAX_TOKENS = 1024
+# output tokens of a text completion sent without max_tokens (OpenAI's documented default)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def _model_table(v, cast):
+    """Parse a per-model table: a mapping, JSON text, ``MODEL=VALUE,...`` or one value for every
+    model (stored under ``*``)."""
+    if isinstance(v, (int, str)) and not isinstance(v, bool):
+        text = str(v).strip()
+        if not text:
+            return {}
+        if text.startswith("{"):
+            import json
+
+            return json.loads(text)
+        if "=" not in text:
+            return {"*": cast(text)}
+        out = {}
+        for part in text.split(","):
+            if part.strip():
+                k, _, val = part.partition("=")
+                out[k.strip()] = cast(val.strip())
+        return out
+    return v
 
 
 class GatewaySettings(BaseSettings):
@@ -49,6 +75,13 @@ class GatewaySettings(BaseSettings):
     key_prefix: str = "fairshare"
     # tracing: none (default), console or otlp (OTEL_EXPORTER_OTLP_ENDPOINT); see fairshare/telemetry.py
     otel_exporter: Literal["none", "console", "otlp"] = "none"
+    # -- OpenAI API defaults (docs/api.md) ---------------------------------------------------------
+    # Output tokens of a chat completion without max_tokens, per model name ("*": every model; a
+    # tenant's own default_max_tokens wins); capped by the context the prompt leaves. Env: one number,
+    # "model=N,*=M" or JSON. Unset: CHAT_DEFAULT_MAX_TOKENS. /v1/completions always defaults to 16.
+    default_max_tokens: Annotated[dict[str, Annotated[int, Field(gt=0)]], NoDecode] = Field(default_factory=dict)
+    # Tool-call format per model name ("*": every model): hermes (default) or none (gateway/tools.py).
+    tool_call_parser: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
 
     # -- reliability (docs/reliability.md) ---------------------------------------------------------
     # What a tier's requests get while Redis is unreachable: "fail_closed" (503 + retry-after) or
@@ -152,6 +185,36 @@ class GatewaySettings(BaseSettings):
                                "FAIRSHARE_WORKER_KEYS, the keys the workers verify with (docs/reliability.md); "
                                "--no-worker-auth sends unsigned calls (unsafe)")
         return worker_auth.Signer(source, ttl_s=self.worker_token_ttl_s)
+    @field_validator("default_max_tokens", mode="before")
+    @classmethod
+    def _parse_default_max_tokens(cls, v):
+        return _model_table(v, int)
+
+    @field_validator("tool_call_parser", mode="before")
+    @classmethod
+    def _parse_tool_call_parser(cls, v):
+        return _model_table(v, str)
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_parsers(cls, v):
+        from .tools import PARSERS
+
+        for model, name in v.items():
+            if name not in PARSERS:
+                raise ValueError(f"tool_call_parser for {model!r}: unknown parser {name!r} "
+                                 f"(known: {', '.join(sorted(PARSERS))})")
+        return v
+
+    def chat_default_max_tokens(self, names: list[str]) -> int:
+        """The declared chat default for a model known by `names` (the requested name first), else
+        ``*``'s, else CHAT_DEFAULT_MAX_TOKENS."""
+        return next((self.default_max_tokens[n] for n in (*names, "*") if n in self.default_max_tokens),
+                    CHAT_DEFAULT_MAX_TOKENS)
+
+    def tool_parser_name(self, names: list[str]) -> str:
+        """The tool-call parser of a model known by `names` (default ``hermes``)."""
+        return next((self.tool_call_parser[n] for n in (*names, "*") if n in self.tool_call_parser), "hermes")
 
     @model_validator(mode="after")
     def _metrics_port_differs(self):

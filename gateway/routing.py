@@ -2,7 +2,9 @@
 
 - `WorkerClient`: one gRPC channel to one worker, its health, its `ModelInfo` and its load estimate.
 - `WorkerPool`: polls every worker (health every ``health_interval_s`` seconds, ``GetModelInfo`` once
-  per (re)connection, ``GetLoad`` for the worker's in-flight tokens), groups workers by model, checks
+  per (re)connection, ``GetLoad`` for the worker's in-flight tokens), groups workers by model (a worker
+  answers to every name in ``ModelInfo.served_model_names``; the names of one model share one
+  entry), checks
   that every worker of a model reports the same tokenizer (sha256 of tokenizer json + chat template,
   or the gateway's own ``--tokenizer``) and picks the worker with the fewest in-flight tokens.
 - `WorkerPool.retry_after_s`: the retry hint of a 503 while no worker serves a model: how long the
@@ -31,10 +33,12 @@ from opentelemetry.trace import SpanKind
 from fairshare.aio import cancel_and_wait
 from fairshare.telemetry import inject_metadata
 from fairshare.worker_auth import generate_claims
+from fairshare.wire import INVALID_METADATA_KEY
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 
 from .errors import APIError, invalid_request, unavailable
+from .logprobs import TokenTexts
 from .tokenization import ChatTokenizer, TokenizerFiles
 
 log = logging.getLogger("fairshare.gateway")
@@ -57,6 +61,14 @@ class ModelEntry:
     max_context_tokens: int
     tokenizer: ChatTokenizer
     eos_token_ids: tuple[int, ...]
+    names: list[str] = field(default_factory=list)  # every name workers serve this model under (name first)
+    _texts: TokenTexts | None = field(default=None, repr=False)
+
+    def token_texts(self) -> TokenTexts:
+        """Token strings and bytes of this model's tokenizer (for logprobs), built on first use."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.tokenizer.tokenizer)
+        return self._texts
 
     @property
     def fingerprint(self) -> str:
@@ -79,6 +91,7 @@ class WorkerClient:
     last_error: str = ""
     slow_probes: int = 0  # consecutive polls of a healthy worker that timed out
     last_model: str | None = None  # the model it served before it went down (info is cleared then)
+    last_names: tuple[str, ...] = ()  # every name it served that model under
     down_since: float | None = None  # time.monotonic() when it stopped being usable; None while usable
     stub: pb_grpc.WorkerStub | None = field(default=None, repr=False)
     health: health_pb2_grpc.HealthStub | None = field(default=None, repr=False)
@@ -92,8 +105,15 @@ class WorkerClient:
 
     @property
     def model(self) -> str | None:
-        """The model this worker serves, once known."""
+        """The model this worker serves (its primary name), once known."""
         return self.info.model_name if self.info else None
+
+    @property
+    def names(self) -> list[str]:
+        """Every name this worker serves its model under (empty until known)."""
+        if self.info is None:
+            return []
+        return list(getattr(self.info, "served_model_names", None) or ()) or [self.info.model_name]
 
     @property
     def usable(self) -> bool:
@@ -199,9 +219,10 @@ class WorkerPool:
     def _track_outage(self, w: WorkerClient) -> None:
         """Note when `w` stops being usable and, when it is back, how long that took (per model)."""
         if w.usable:
-            w.last_model = w.model
+            w.last_model, w.last_names = w.model, tuple(w.names)
             if w.down_since is not None:
-                self.recovery_s[w.model] = time.monotonic() - w.down_since
+                for name in w.last_names:
+                    self.recovery_s[name] = time.monotonic() - w.down_since
                 w.down_since = None
         elif w.down_since is None and w.last_model is not None:
             w.down_since = time.monotonic()
@@ -210,7 +231,7 @@ class WorkerPool:
         """Seconds a client should wait before retrying while no worker serves `model` (503): the
         remainder of the expected outage (the last outage of a worker of this model), at least the
         health poll interval; the interval when no outage of the model was seen end yet."""
-        downs = [w.down_since for w in self.workers if w.down_since is not None and w.last_model == model]
+        downs = [w.down_since for w in self.workers if w.down_since is not None and model in w.last_names]
         expected = self.recovery_s.get(model)
         if expected is None or not downs:
             return self.health_interval_s
@@ -230,7 +251,8 @@ class WorkerPool:
             log.error("worker %s: tokenizer_sha256 %s is not the sha256 of the tokenizer and template it sent (%s); "
                       "not routing to it", w.addr, info.tokenizer_sha256[:12], files.sha256[:12])
             return
-        entry = self.models.get(info.model_name)
+        names = w.names
+        entry = next((self.models[n] for n in names if n in self.models), None)
         if entry is None:
             if self._local_tok is not None:
                 tok = self._local_tok
@@ -239,8 +261,8 @@ class WorkerPool:
                 tok = await asyncio.to_thread(ChatTokenizer, files)
                 agrees = True
             if agrees:
-                self.models[info.model_name] = ModelEntry(info.model_name, int(info.max_context_tokens), tok,
-                                                          tuple(info.eos_token_ids))
+                entry = ModelEntry(info.model_name, int(info.max_context_tokens), tok, tuple(info.eos_token_ids))
+                self._register(entry, names)
             w.agrees = agrees
         else:
             w.agrees = await asyncio.to_thread(self._same_tokenizer, entry.tokenizer, files)
@@ -248,10 +270,22 @@ class WorkerPool:
                 log.error("worker %s serves %s with context %d, others with %d; not routing to it", w.addr,
                           info.model_name, info.max_context_tokens, entry.max_context_tokens)
                 w.agrees = False
+            clash = [n for n in names if self.models.get(n, entry) is not entry]
+            if w.agrees and clash:
+                log.error("worker %s serves names %s that name another model here; not routing to it", w.addr, clash)
+                w.agrees = False
+            if w.agrees:
+                self._register(entry, names)
         if not w.agrees:
             w.last_error = "tokenizer disagrees with the gateway's"
             log.error("worker %s: tokenizer/chat template of %s differ from the gateway's; not routing to it",
                       w.addr, info.model_name)
+
+    def _register(self, entry: ModelEntry, names: list[str]) -> None:
+        for n in names:
+            self.models[n] = entry
+            if n not in entry.names:
+                entry.names.append(n)
 
     @staticmethod
     def _same_tokenizer(tok: ChatTokenizer, files: TokenizerFiles) -> bool:
@@ -298,12 +332,12 @@ class WorkerPool:
         return any(w.usable for w in self.workers)
 
     def model_names(self) -> list[str]:
-        """Models served by at least one usable worker, sorted."""
-        return sorted({w.model for w in self.workers if w.usable and w.model in self.models})
+        """Model names (aliases included) served by at least one usable worker, sorted."""
+        return sorted({n for w in self.workers if w.usable for n in w.names if n in self.models})
 
     def model(self, name: str) -> ModelEntry | None:
         """The model entry, or None when no usable worker serves it."""
-        if name in self.models and any(w.usable and w.model == name for w in self.workers):
+        if name in self.models and any(w.usable and name in w.names for w in self.workers):
             return self.models[name]
         return None
 
@@ -318,7 +352,7 @@ class WorkerPool:
 
     def pick(self, model: str, exclude: set[WorkerClient] | frozenset = frozenset()) -> WorkerClient | None:
         """The usable worker of `model` with the fewest in-flight tokens (ties: round robin), or None."""
-        cands = [w for w in self.workers if w.usable and w.model == model and w not in exclude]
+        cands = [w for w in self.workers if w.usable and model in w.names and w not in exclude]
         if not cands:
             return None
         best = min(w.load_score() for w in cands)
@@ -399,7 +433,8 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
     attempt; None: none).
     signer: a `fairshare.worker_auth.Signer`; each attempt carries its token (bound to the attempt's
     request id) in the call's metadata (None: unsigned).
-    Raises APIError: 400 when the worker rejects the request as invalid, 503 when no worker could run
+    Raises APIError: 400 when the worker rejects the request as invalid (code ``invalid_grammar`` for a
+    grammar it cannot compile), 503 when no worker could run
     it, 504 when the deadline passed. Cancellation (asyncio) cancels the call in progress.
     """
     tracer = tracer or trace.get_tracer("fairshare.gateway")
@@ -452,7 +487,10 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
         except grpc.aio.AioRpcError as e:
             gen.fail(e.code().name)
             if e.code() in _CLIENT_CODES:
-                raise invalid_request(e.details() or "invalid request", None, "invalid_value") from None
+                meta = dict(e.trailing_metadata() or ())
+                what = meta.get(INVALID_METADATA_KEY)
+                raise invalid_request(e.details() or "invalid request", None,
+                                      "invalid_grammar" if what == "grammar" else "invalid_value") from None
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
                 raise APIError(504, "The request did not start within the gateway's request timeout.",
                                "server_error", None, "timeout") from None

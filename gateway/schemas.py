@@ -14,14 +14,21 @@ fields, so they can also parse bodies leniently.)
 
 Extensions beyond OpenAI: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``cache_salt`` (splits the
 tenant's own prefix-cache namespace, never reaches another tenant's).
+
+Chat requests may carry ``logprobs`` / ``top_logprobs`` (0-20), ``response_format`` (``text``,
+``json_object``, ``json_schema``), ``tools`` (functions), ``tool_choice`` (``none``, ``auto``,
+``required`` or a named function) and ``parallel_tool_calls``; messages may be ``tool`` results and
+assistant turns with ``tool_calls``. Completions may carry ``logprobs`` (0-5). JSON Schemas (a
+response format's, a function's parameters) are checked here with `jsonschema` (a 400 naming the
+field); the worker compiles them for constrained decoding.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from .errors import APIError, invalid_request
 
@@ -59,6 +66,103 @@ class OtherPart(BaseModel):
 ContentPart = Union[TextPart, OtherPart]
 
 
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # function and response-format names (OpenAI's rule)
+MAX_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
+
+class _Lenient(BaseModel):
+    """Nested request objects: fields they do not declare are ignored (clients add vendor fields)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Lenient):
+    """``function`` of a tool call: its name and its arguments (a JSON object, as text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Lenient):
+    """One tool call of an assistant message, as the API returned it and the client sends it back."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionDefinition(_Lenient):
+    """A callable function: ``name``, ``description`` and its ``parameters`` as a JSON Schema."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    """An entry of ``tools`` (``type`` is always ``function``)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    """``tool_choice.function``: the function to call."""
+
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call exactly that function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Lenient):
+    """``response_format.json_schema``: a named JSON Schema the output must satisfy."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatText(_Lenient):
+    """``response_format: {"type": "text"}`` (the default)."""
+
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Lenient):
+    """``response_format: {"type": "json_object"}``: any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class ResponseFormatJSONSchema(_Lenient):
+    """``response_format: {"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+def _format_tag(v: Any) -> str | None:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return {"text": "Text", "json_object": "JsonObject", "json_schema": "JsonSchema"}.get(kind)
+
+
+# tags are capitalised so that error locations drop them (gateway/errors.py): param "response_format.type"
+ResponseFormat = Annotated[Union[Annotated[ResponseFormatText, Tag("Text")],
+                                 Annotated[ResponseFormatJSONObject, Tag("JsonObject")],
+                                 Annotated[ResponseFormatJSONSchema, Tag("JsonSchema")]],
+                           Discriminator(_format_tag, custom_error_type="invalid_value",
+                                         custom_error_message="type must be 'text', 'json_object' or 'json_schema'")]
+
+
 class ChatMessage(BaseModel):
     """One message of a chat conversation. ``developer`` is rendered as ``system``."""
 
@@ -69,7 +173,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     # fields of assistant messages that clients send back as they received them (not rendered)
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     function_call: dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
     annotations: list[dict[str, Any]] | None = None
@@ -170,13 +274,13 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
     functions: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None
@@ -190,16 +294,41 @@ class ChatCompletionRequest(_SamplingFields):
         """``max_completion_tokens`` if given, else ``max_tokens`` (output tokens per choice)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def top_logprobs_n(self) -> int:
+        """Alternatives per position to return (0 without ``top_logprobs``)."""
+        return int(self.top_logprobs or 0)
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """``tools`` as plain dicts (what chat templates and the tool parser read)."""
+        return [t.model_dump(exclude_none=True, by_alias=True) for t in self.tools or []]
+
+    def calls_tools(self) -> bool:
+        """True when the model may call (or must call) a tool: tools given and tool_choice not ``none``."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_function(self) -> str | None:
+        """The function a named ``tool_choice`` forces, else None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def json_format(self) -> dict[str, Any] | None:
+        """The JSON Schema the answer must satisfy: ``response_format`` ``json_schema`` (its schema; none
+        given: any JSON object) or ``json_object`` (``{"type": "object"}``); None for text."""
+        rf = self.response_format
+        if isinstance(rf, ResponseFormatJSONSchema):
+            return rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {"type": "object"}
+        if isinstance(rf, ResponseFormatJSONObject):
+            return {"type": "object"}
+        return None
+
     def refuse_unsupported(self) -> None:  # noqa: D102
         super().refuse_unsupported()
-        if self.logprobs or self.top_logprobs:
-            raise invalid_request("logprobs are not supported by this server.", "logprobs", "unsupported_value")
-        if self.tools:
-            raise invalid_request("tools are not supported by this server.", "tools", "unsupported_value")
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise invalid_request("Invalid value for 'top_logprobs': 'logprobs' must be set to true when "
+                                  "'top_logprobs' is used.", "top_logprobs", "invalid_value")
         if self.functions:
-            raise invalid_request("functions are not supported by this server.", "functions", "unsupported_value")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise invalid_request("tool_choice is not supported by this server.", "tool_choice", "unsupported_value")
+            raise invalid_request("functions are deprecated and not supported by this server; use tools.",
+                                  "functions", "unsupported_value")
+        self._check_tools()
         if self.function_call not in (None, "none", "auto"):
             raise invalid_request("function_call is not supported by this server.", "function_call",
                                   "unsupported_value")
@@ -209,9 +338,8 @@ class ChatCompletionRequest(_SamplingFields):
         for name in ("audio", "prediction", "web_search_options", "reasoning_effort", "verbosity"):
             if getattr(self, name) is not None:
                 raise invalid_request(f"{name} is not supported by this server.", name, "unsupported_value")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid_request("Only response_format {\"type\": \"text\"} is supported by this server.",
-                                  "response_format", "unsupported_value")
+        if isinstance(self.response_format, ResponseFormatJSONSchema) and self.response_format.json_schema.schema_:
+            check_json_schema(self.response_format.json_schema.schema_, "response_format.json_schema.schema")
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list) and not m.content:  # OpenAI refuses it too (code empty_array)
                 raise invalid_request(f"Invalid 'messages.[{i}].content': empty array. Expected an array with "
@@ -225,9 +353,39 @@ class ChatCompletionRequest(_SamplingFields):
             if m.content is None and m.role != "assistant":
                 raise invalid_request(f"Invalid value for 'messages.[{i}].content': a {m.role} message needs "
                                       "content.", f"messages.[{i}].content", "invalid_value")
+            if m.role == "tool" and not m.tool_call_id:
+                raise invalid_request(f"Missing required parameter: 'messages.[{i}].tool_call_id'.",
+                                      f"messages.[{i}].tool_call_id", "missing_required_parameter")
+            if m.tool_calls and m.role != "assistant":
+                raise invalid_request(f"Invalid parameter: 'messages.[{i}].tool_calls' is only allowed in "
+                                      "assistant messages.", f"messages.[{i}].tool_calls", "invalid_value")
+
+    def _check_tools(self) -> None:
+        """Tools and tool_choice: unique function names, valid parameter schemas, a forcing tool_choice
+        (``required``, a named function) only with tools, and naming one of them."""
+        names: set[str] = set()
+        for i, t in enumerate(self.tools or []):
+            if t.function.name in names:
+                raise invalid_request(f"Invalid 'tools': duplicate function name '{t.function.name}'.",
+                                      f"tools.[{i}].function.name", "invalid_value")
+            names.add(t.function.name)
+            if t.function.parameters is not None:
+                check_json_schema(t.function.parameters, f"tools.[{i}].function.parameters")
+        if self.tools is not None and not self.tools:
+            raise invalid_request("Invalid 'tools': empty array. Expected an array with minimum length 1, but got "
+                                  "an empty array instead.", "tools", "empty_array")
+        # "none" / "auto" and parallel_tool_calls without tools change nothing: accepted (clients send them)
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise invalid_request("Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
+                                  "are specified.", "tool_choice", "invalid_value")
+        forced = self.forced_function()
+        if forced is not None and forced not in names:
+            raise invalid_request(f"Invalid value for 'tool_choice': function '{forced}' is not one of the "
+                                  "functions in 'tools'.", "tool_choice.function.name", "invalid_value")
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them (plain-text content)."""
+        """Messages as the chat template expects them (plain-text content; an assistant turn's
+        ``tool_calls`` as OpenAI dicts, a tool turn's ``tool_call_id``)."""
         out = []
         for m in self.messages:
             d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -235,11 +393,29 @@ class ChatCompletionRequest(_SamplingFields):
                 d["name"] = m.name
             if m.tool_call_id:
                 d["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             out.append(d)
         return out
 
 
 Prompt = Union[str, list[str], list[int], list[list[int]]]
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """Raise a 400 naming `param` unless `schema` is a JSON Schema object that the JSON Schema
+    metaschema (draft 2020-12, via `jsonschema`) accepts."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise invalid_request(f"Invalid schema for '{param}': a JSON Schema must be an object.", param,
+                              "invalid_value")
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path) or "(root)"
+        raise invalid_request(f"Invalid schema for '{param}': {e.message} (at {where}).", param,
+                              "invalid_value") from None
 
 
 def unknown_parameter(param: str) -> APIError:
@@ -304,7 +480,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -331,8 +507,6 @@ class CompletionRequest(_SamplingFields):
         if self.best_of not in (None, 1) and self.best_of != self.choices_n():
             raise invalid_request("best_of other than n is not supported by this server.", "best_of",
                                   "unsupported_value")
-        if self.logprobs:
-            raise invalid_request("logprobs are not supported by this server.", "logprobs", "unsupported_value")
         for i, p in enumerate(self.prompts()):
             if isinstance(p, list) and not p:
                 raise invalid_request(f"Invalid value for 'prompt.[{i}]': empty prompt.", "prompt", "invalid_value")
@@ -356,55 +530,70 @@ def usage_dict(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
 
 
-def chat_completion(rid: str, created: int, model: str, choices: list[tuple[str, str]], usage: dict,
+def chat_choice(index: int, content: str | None, finish_reason: str, tool_calls: list[dict] | None = None,
+                logprobs: list[dict] | None = None) -> dict[str, Any]:
+    """One choice of a ``chat.completion``: the assistant message (``tool_calls`` only when the model
+    called tools), ``logprobs`` (``{"content": [...], "refusal": null}``, or null when not asked)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message,
+            "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+            "finish_reason": finish_reason}
+
+
+def chat_completion(rid: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict,
                     fingerprint: str) -> dict[str, Any]:
-    """A ``chat.completion`` object; `choices` are (text, finish_reason) in index order."""
-    return {
-        "id": rid, "object": "chat.completion", "created": created, "model": model,
-        "choices": [{"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                     "logprobs": None, "finish_reason": fr} for i, (text, fr) in enumerate(choices)],
-        "usage": usage, "system_fingerprint": fingerprint,
-    }
+    """A ``chat.completion`` object; `choices` from `chat_choice`, in index order."""
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+            "usage": usage, "system_fingerprint": fingerprint}
 
 
 def chat_chunk(rid: str, created: int, model: str, fingerprint: str, index: int | None, delta: dict | None = None,
-               finish_reason: str | None = None, usage: dict | None = None, with_usage: bool = False) -> dict:
+               finish_reason: str | None = None, usage: dict | None = None, with_usage: bool = False,
+               logprobs: list[dict] | None = None) -> dict:
     """A ``chat.completion.chunk``. ``index=None`` makes the usage chunk (``choices: []``).
 
     With `with_usage` the chunk carries ``usage`` (null on content chunks), as OpenAI does when
-    ``stream_options.include_usage`` is set; otherwise the key is absent.
+    ``stream_options.include_usage`` is set; otherwise the key is absent. `logprobs`: the chunk's
+    ``logprobs.content`` items (None: ``logprobs: null``).
     """
     d: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                          "system_fingerprint": fingerprint}
     if index is None:
         d["choices"] = []
     else:
-        d["choices"] = [{"index": index, "delta": delta or {}, "logprobs": None, "finish_reason": finish_reason}]
+        d["choices"] = [{"index": index, "delta": delta or {},
+                         "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
+                         "finish_reason": finish_reason}]
     if with_usage:
         d["usage"] = usage
     return d
 
 
-def text_completion(rid: str, created: int, model: str, choices: list[tuple[str, str]], usage: dict,
+def text_completion(rid: str, created: int, model: str, choices: list[tuple[str, str, dict | None]], usage: dict,
                     fingerprint: str) -> dict[str, Any]:
-    """A ``text_completion`` object; `choices` are (text, finish_reason) in index order."""
+    """A ``text_completion`` object; `choices` are (text, finish_reason, logprobs object or None) in
+    index order."""
     return {
         "id": rid, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": fr}
-                    for i, (text, fr) in enumerate(choices)],
+        "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": fr}
+                    for i, (text, fr, lp) in enumerate(choices)],
         "usage": usage, "system_fingerprint": fingerprint,
     }
 
 
 def text_chunk(rid: str, created: int, model: str, fingerprint: str, index: int | None, text: str = "",
-               finish_reason: str | None = None, usage: dict | None = None, with_usage: bool = False) -> dict:
-    """A streamed ``text_completion`` chunk; ``index=None`` makes the usage chunk."""
+               finish_reason: str | None = None, usage: dict | None = None, with_usage: bool = False,
+               logprobs: dict | None = None) -> dict:
+    """A streamed ``text_completion`` chunk; ``index=None`` makes the usage chunk. `logprobs`: the
+    chunk's logprobs object (tokens, token_logprobs, top_logprobs, text_offset) or None."""
     d: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                          "system_fingerprint": fingerprint}
     if index is None:
         d["choices"] = []
     else:
-        d["choices"] = [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        d["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     if with_usage:
         d["usage"] = usage
     return d
@@ -417,5 +606,6 @@ def model_list(names: list[str], created: int | None = None) -> dict[str, Any]:
                                        for n in names]}
 
 
-__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "chat_chunk",
-           "chat_completion", "model_list", "text_chunk", "text_completion", "usage_dict"]
+__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "Tool",
+           "chat_choice", "chat_chunk", "chat_completion", "check_json_schema", "model_list", "text_chunk",
+           "text_completion", "usage_dict"]

@@ -5,8 +5,11 @@ from a local directory (``--tokenizer DIR``). The template is rendered the way H
 ``apply_chat_template`` does it: an ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
 ``lstrip_blocks``, the ``loopcontrols`` extension, a ``{% generation %}`` tag, the ``tojson`` filter
 without HTML escaping, ``raise_exception`` and ``strftime_now``; variables ``messages``,
-``add_generation_prompt=True``, ``bos_token`` and ``eos_token``. The rendered text is encoded without
-adding special tokens (the template already holds them); raw completion prompts are encoded with them.
+``add_generation_prompt=True``, ``bos_token`` and ``eos_token``, and ``tools`` (the request's tools as
+OpenAI dicts) for templates that use it; past calls' ``arguments`` are given to such templates as
+objects, as HF's convention is. Templates without a ``tools`` variable get the tool-call parser's
+fallback rendering instead (gateway/tools.py). The rendered text is encoded without adding special
+tokens (the template already holds them); raw completion prompts are encoded with them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
@@ -55,17 +59,22 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox configured like HF ``apply_chat_template``.
-
-    Raises jinja2.TemplateSyntaxError for a template that does not parse.
-    """
+def compile_chat_template_env() -> ImmutableSandboxedEnvironment:
+    """The sandboxed Jinja environment chat templates are compiled in (HF ``apply_chat_template``'s)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox configured like HF ``apply_chat_template``.
+
+    Raises jinja2.TemplateSyntaxError for a template that does not parse.
+    """
+    return compile_chat_template_env().from_string(source)
 
 
 def tokenizer_sha256(tokenizer_json: str, chat_template: str) -> str:
@@ -124,6 +133,24 @@ def load_tokenizer_dir(path: str | Path) -> TokenizerFiles:
     return TokenizerFiles(tokenizer_json, template, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")))
 
 
+def _with_object_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """`message` with its tool calls' ``arguments`` parsed from JSON text into objects (what chat
+    templates that render tool calls expect); arguments that are not JSON stay text."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    out = []
+    for c in calls:
+        fn = dict(c.get("function") or {})
+        if isinstance(fn.get("arguments"), str):
+            try:
+                fn["arguments"] = json.loads(fn["arguments"])
+            except ValueError:
+                pass
+        out.append({**c, "function": fn})
+    return {**message, "tool_calls": out}
+
+
 class ChatTokenizer:
     """Counts and encodes prompts for one model.
 
@@ -135,6 +162,8 @@ class ChatTokenizer:
         self.files = files
         self.tokenizer = Tokenizer.from_str(files.tokenizer_json)
         self._template = compile_chat_template(files.chat_template) if files.chat_template else None
+        self.supports_tools = bool(files.chat_template) and "tools" in jinja2.meta.find_undeclared_variables(
+            compile_chat_template_env().parse(files.chat_template))
 
     @property
     def sha256(self) -> str:
@@ -150,21 +179,36 @@ class ChatTokenizer:
         """True when the model has a chat template."""
         return self._template is not None
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for `messages` with the generation prompt appended."""
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    parser=None) -> str:
+        """The prompt text for `messages` with the generation prompt appended. tools: the request's
+        tools (OpenAI dicts). parser: the model's `gateway.tools.ToolCallParser`, which renders tools,
+        past calls and tool results when the template has no ``tools`` variable."""
         if self._template is None:
             raise TemplateError("this model has no chat template; use /v1/completions")
+        extra: dict[str, Any] = {}
+        has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if self.supports_tools:
+            messages = [_with_object_arguments(m) for m in messages] if has_tool_turns else messages
+            if tools:
+                extra["tools"] = tools
+        elif (tools or has_tool_turns) and parser is not None:
+            from .tools import fallback_messages
+
+            messages = fallback_messages(messages, tools, parser)
         try:
             return self._template.render(messages=messages, add_generation_prompt=True,
-                                         bos_token=self.files.bos_token, eos_token=self.files.eos_token)
+                                         bos_token=self.files.bos_token, eos_token=self.files.eos_token, **extra)
         except TemplateError:
             raise
         except jinja2.TemplateError as e:
             raise TemplateError(str(e)) from e
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of the rendered conversation (special tokens come from the template only)."""
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    parser=None) -> list[int]:
+        """Token ids of the rendered conversation (special tokens come from the template only);
+        `tools` / `parser` as in `render_chat`."""
+        return self.tokenizer.encode(self.render_chat(messages, tools, parser), add_special_tokens=False).ids
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt, with the tokenizer's special tokens (e.g. BOS)."""

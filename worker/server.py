@@ -29,6 +29,12 @@ exits with status 3 so that its supervisor restarts it.
 Deadlines: the gateway's gRPC deadline travels with each call; when it passes, grpc cancels the
 handler, which aborts the request (queued or running) and frees its KV blocks.
 
+A request's grammar (structured outputs, forced tool calls) is compiled here, on a thread, before
+the request reaches the engine (worker/engine/grammar.py; compiled grammars are cached); one that does
+not compile is refused with INVALID_ARGUMENT and trailing metadata ``fairshare-invalid: grammar``, so
+the gateway answers a 400 naming the request field. Logprobs travel as one ``TokenLogprob`` per token.
+Every name in ``served_model_names`` (``--served-model-name``) is reported by ``GetModelInfo``.
+
 No request field triggers anything but generation: the tests' fault injection and engine hold live
 in a test-only launcher (tests/support/worker_main.py) that plugs in through `serve(configure=...)`.
 
@@ -52,7 +58,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fairshare import worker_auth
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
-from fairshare.wire import SERVICE_NAME, TIER_ENUMS
+from fairshare.wire import INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
 from fairshare.wire import TIER_NAMES as _TIER_NAMES
 from worker.engine.engine import Engine, EngineFailed, RequestOutput
 from worker.faults import EXIT_ENGINE_FAILED
@@ -67,8 +73,20 @@ _FINISH = {FinishReason.STOP: worker_pb2.FINISH_REASON_STOP, FinishReason.LENGTH
 _FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 
 
-def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
-    """Map the wire SamplingParams to the engine's (max_tokens 0 → rest of the context)."""
+def grammar_of(p: worker_pb2.SamplingParams) -> tuple[str, str] | None:
+    """(kind, source) of the request's grammar (worker/engine/grammar.py kinds), or None."""
+    if not p.HasField("grammar"):
+        return None
+    kind = p.grammar.WhichOneof("kind")
+    if kind is None:
+        return None
+    value = getattr(p.grammar, kind)
+    return kind, ("" if kind == "json_object" else value)
+
+
+def sampling_from_proto(p: worker_pb2.SamplingParams, grammar=None) -> SamplingParams:
+    """Map the wire SamplingParams to the engine's (max_tokens 0 → rest of the context).
+    grammar: the compiled grammar of `p.grammar` (the caller compiles it, off the engine loop)."""
     return SamplingParams(
         max_tokens=p.max_tokens or None,
         temperature=p.temperature,
@@ -78,6 +96,9 @@ def sampling_from_proto(p: worker_pb2.SamplingParams) -> SamplingParams:
         stop=list(p.stop),
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        top_logprobs=p.top_logprobs,
+        grammar=grammar,
     )
 
 
@@ -87,6 +108,10 @@ def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
         msg.timings.queued_s = out.queued_s
     if out.first_token_s is not None:
         msg.timings.first_token_s = out.first_token_s
+    for tok, lp, top in out.logprobs:
+        entry = msg.logprobs.add(token_id=tok, logprob=lp)
+        for alt, alt_lp in top:
+            entry.top.add(token_id=alt, logprob=alt_lp)
     if out.finish_reason is not None:
         msg.finish_reason = _FINISH[out.finish_reason]
         msg.usage.prompt_tokens = out.prompt_tokens
@@ -105,11 +130,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     always has one).
     """
 
-    def __init__(self, engine: Engine, model_name: str, *, metrics: WorkerMetrics | None = None,
+    def __init__(self, engine: Engine, model_name: str | list[str], *, metrics: WorkerMetrics | None = None,
                  tracer_provider=None, verifier: worker_auth.Verifier | None = None) -> None:
+        names = [model_name] if isinstance(model_name, str) else list(dict.fromkeys(model_name))
+        if not names or not all(names):
+            raise ValueError("a worker needs at least one non-empty model name")
         self.engine = engine
         self.verifier = verifier
-        self.model_name = model_name
+        self.model_name = names[0]
+        self.served_model_names = names
         self.draining = False
         self.live: set[str] = set()
         self.metrics = metrics if metrics is not None else WorkerMetrics(engine)
@@ -118,8 +147,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         m = engine.model
         digest = hashlib.sha256((m.tokenizer_json + "\0" + (m.chat_template or "")).encode()).hexdigest()
         self._model_info = worker_pb2.ModelInfo(
-            model_name=model_name, max_context_tokens=engine.max_model_len, tokenizer_json=m.tokenizer_json,
-            chat_template=m.chat_template or "", eos_token_ids=sorted(m.eos_token_ids), tokenizer_sha256=digest,
+            model_name=names[0], served_model_names=names, max_context_tokens=engine.max_model_len,
+            tokenizer_json=m.tokenizer_json, chat_template=m.chat_template or "", eos_token_ids=sorted(m.eos_token_ids), tokenizer_sha256=digest,
             bos_token=m.bos_token or "", eos_token=m.eos_token or "",
         )
 
@@ -146,9 +175,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rt = RequestTrace(self.tracer, context.invocation_metadata(), request_id, tenant.id,
                           prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
                           tier=tier)
+        compiled = None
+        grammar = grammar_of(request.sampling)
+        if grammar is not None:  # compiled on a thread (the first one builds the vocabulary tables)
+            try:
+                compiled = await asyncio.to_thread(self.engine.compile_grammar, *grammar)
+            except ValueError as exc:
+                rt.end("rejected")
+                self.metrics.observe_finish(tenant.id, "rejected")
+                context.set_trailing_metadata(((INVALID_METADATA_KEY, "grammar"),))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             self.engine.add_request(
-                request_id, tenant.id, list(request.prompt_token_ids), sampling_from_proto(request.sampling),
+                request_id, tenant.id, list(request.prompt_token_ids), sampling_from_proto(request.sampling, compiled),
                 on_output, weight=tenant.weight or 1.0, tier=tier,
                 cache_salt=request.cache_salt,  # the engine derives the namespace (worker/cache/namespace.py)
             )
@@ -238,7 +277,7 @@ def _fill_cache_load(load: worker_pb2.Load, snap: dict) -> None:
         tl.cached_prompt_tokens = t.get("cached_prompt_tokens", 0)
 
 
-async def serve(engine: Engine, model_name: str, host: str, port: int, drain_timeout_s: float = 30.0,
+async def serve(engine: Engine, model_name: str | list[str], host: str, port: int, drain_timeout_s: float = 30.0,
                 ready_message: bool = True, *, metrics_port: int = 0, metrics_host: str | None = None,
                 metrics_max_tenants: int = 64, tracer_provider=None, configure=None,
                 verifier: worker_auth.Verifier | None = None, engine_failure_exit_s: float = 10.0) -> int:
@@ -303,7 +342,8 @@ async def serve(engine: Engine, model_name: str, host: str, port: int, drain_tim
     if engine.failed and not failed_task:  # (failed before the loop could hear it)
         failed_task.append(asyncio.ensure_future(engine_failed(engine.failed)))
     if ready_message:
-        print(f"fairshare worker ready on {host}:{bound} (model {model_name}, policy {engine.policy.name}, "
+        print(f"fairshare worker ready on {host}:{bound} (model {', '.join(servicer.served_model_names)}, "
+              f"policy {engine.policy.name}, "
               f"{engine.block_manager.num_blocks} KV blocks of {engine.block_manager.block_size} tokens)", flush=True)
         cache = ("off" if engine.cache is None else "on, one global namespace (UNSAFE)"
                  if not engine.config.cache_isolation else "on, namespaced per tenant")

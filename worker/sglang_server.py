@@ -35,6 +35,14 @@ Text: SGLang samples and applies stop tokens/strings; the text deltas are produc
 model's `tokenizer.json` (the same incremental detokenizer and stop-string hold-back as the
 reference engine), so a stop string is never emitted, not even partially.
 
+Logprobs and grammars use SGLang's own machinery: `SamplingParams.logprobs` / `top_logprobs` become
+`return_logprob` / `top_logprobs_num` (SGLang's logprobs are, like the reference engine's, taken
+after the temperature, before top-k / top-p), read back from `meta_info["output_token_logprobs"]`
+and `["output_top_logprobs"]`; `SamplingParams.grammar` becomes SGLang's constrained-decoding
+sampling parameter (`json_schema`, `regex`, `ebnf` or `structural_tag`; `json_object` is the JSON
+Schema ``{"type": "object"}``), compiled by SGLang's grammar backend (xgrammar by default). A
+grammar SGLang cannot compile ends the request with a 400 abort, answered as INVALID_ARGUMENT.
+
 Needs a GPU node with `sglang==0.5.23` installed (extra `[sglang]`). Request translation
 (`request_to_sglang`, `response_from_sglang`) imports neither sglang nor torch and is tested on CPU.
 """
@@ -57,10 +65,12 @@ import grpc
 from fairshare import worker_auth
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.wire import FINISH_ENUMS as _FINISH
+from fairshare.wire import INVALID_METADATA_KEY
 from fairshare.wire import SERVICE_NAME
 from fairshare.wire import TIER_ENUMS as _TIER_ENUMS
 from fairshare.wire import TIER_NAMES as _TIER_NAMES
 from worker.faults import FaultWindow
+from worker.cli import add_served_name_arguments, served_names
 from worker.sglang_plugin import tenant as tenant_mod
 
 log = logging.getLogger("fairshare.worker.sglang")
@@ -92,6 +102,7 @@ class ModelFacts:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token: str = ""
     eos_token: str = ""
+    served_names: list[str] = field(default_factory=list)  # every name clients may use (name first)
 
 
 def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, secret: str) -> dict:
@@ -138,7 +149,17 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
         sampling["stop_token_ids"] = [int(t) for t in s.stop_token_ids]
     if s.HasField("seed"):
         sampling["sampling_seed"] = int(s.seed)
-    return {
+    if s.top_logprobs and not s.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs")
+    if s.top_logprobs > 20:
+        raise InvalidRequest("top_logprobs must be in [0, 20]")
+    if s.HasField("grammar"):
+        kind = s.grammar.WhichOneof("kind")
+        if kind == "json_object":
+            sampling["json_schema"] = '{"type": "object"}'
+        elif kind is not None:
+            sampling[kind] = getattr(s.grammar, kind)  # json_schema, regex, ebnf, structural_tag
+    kwargs = {
         "input_ids": prompt,
         "sampling_params": sampling,
         "rid": rid,
@@ -146,6 +167,9 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
         "extra_key": tenant_mod.extra_key_for(tenant.id, request.cache_salt, secret),
         "cache_salt": request.cache_salt or None,
     }
+    if s.logprobs:  # output positions only (logprob_start_len -1), no token text (the gateway has it)
+        kwargs.update(return_logprob=True, logprob_start_len=-1, top_logprobs_num=int(s.top_logprobs))
+    return kwargs
 
 
 def finish_reason_of(meta_info: dict) -> tuple[int | None, str | None, int | None]:
@@ -185,6 +209,8 @@ class StreamTranslator:
         self.arrival = time.monotonic() if arrival is None else arrival
         self.first_token_s: float | None = None
         self.sent_first = False
+        self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # (token, logprob, top)
+        self.emitted_logprobs = 0
 
     def feed(self, out: dict) -> worker_pb2.GenerateResponse | None:
         """One SGLang output → a message (None when nothing new and not finished)."""
@@ -192,6 +218,7 @@ class StreamTranslator:
         new = ids if self.incremental else ids[len(self.tokens):]
         meta = out.get("meta_info") or {}
         proto_reason, _, _ = finish_reason_of(meta)
+        self._take_logprobs(meta)
         for tok in new:
             self.tokens.append(tok)
             if self.detok is not None and not self.stopped:
@@ -206,6 +233,18 @@ class StreamTranslator:
         if not new and not final:
             return None
         return self._message(meta, proto_reason)
+
+    def _take_logprobs(self, meta: dict) -> None:
+        """Collect the new entries of `meta_info["output_token_logprobs"]` ((logprob, token id, text)
+        per output position) and `["output_top_logprobs"]` (a list of such per position, or None):
+        only the new ones in incremental streams, all so far otherwise."""
+        lps = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or []
+        start = 0 if self.incremental else len(self.logprobs)
+        for i in range(start, len(lps)):
+            lp, tok = lps[i][0], lps[i][1]
+            top = tops[i] if i < len(tops) and tops[i] else []
+            self.logprobs.append((int(tok), float(lp), [(int(t[1]), float(t[0])) for t in top]))
 
     def _cut_at_stop(self) -> None:
         if not self.stop:
@@ -227,6 +266,11 @@ class StreamTranslator:
                                           text_delta=self.text[self.emitted_text:end])
         self.emitted_text = end
         self.emitted_tokens = len(self.tokens)
+        for tok, lp, top in self.logprobs[self.emitted_logprobs:]:
+            entry = msg.logprobs.add(token_id=tok, logprob=lp)
+            for alt, alt_lp in top:
+                entry.top.add(token_id=alt, logprob=alt_lp)
+        self.emitted_logprobs = len(self.logprobs)
         if not self.sent_first:
             queued = meta.get("queue_time")
             if isinstance(queued, (int, float)):
@@ -243,8 +287,10 @@ class StreamTranslator:
 
 
 # ---- model files ---------------------------------------------------------------------------------
-def read_model_facts(model_dir: str | Path, context_len: int | None = None, name: str | None = None) -> ModelFacts:
-    """Tokenizer files and limits of an HF model directory (no weights are read).
+def read_model_facts(model_dir: str | Path, context_len: int | None = None,
+                     name: str | list[str] | None = None) -> ModelFacts:
+    """Tokenizer files and limits of an HF model directory (no weights are read). name: the
+    name(s) to serve under (default: the directory's name).
 
     Raises FileNotFoundError when config.json is missing.
     """
@@ -274,7 +320,8 @@ def read_model_facts(model_dir: str | Path, context_len: int | None = None, name
 
         vocab = Tokenizer.from_str(tok_json).get_vocab_size()
     max_ctx = int(context_len or text_cfg.get("max_position_embeddings") or 4096)
-    return ModelFacts(name=name or d.resolve().name, max_context_tokens=max_ctx, vocab_size=vocab,
+    names = list(name) if isinstance(name, (list, tuple)) else [name] if name else [d.resolve().name]
+    return ModelFacts(name=names[0], served_names=names, max_context_tokens=max_ctx, vocab_size=vocab,
                       tokenizer_json=tok_json, chat_template=template, eos_token_ids=sorted(eos),
                       bos_token=token_str(tok_cfg.get("bos_token")), eos_token=token_str(tok_cfg.get("eos_token")))
 
@@ -343,7 +390,8 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.incremental = bool(getattr(engine.tokenizer_manager, "incremental_streaming_output", False))
         digest = hashlib.sha256((facts.tokenizer_json + "\0" + facts.chat_template).encode()).hexdigest()
         self._model_info = worker_pb2.ModelInfo(
-            model_name=facts.name, max_context_tokens=facts.max_context_tokens, tokenizer_json=facts.tokenizer_json,
+            model_name=facts.name, served_model_names=facts.served_names or [facts.name],
+            max_context_tokens=facts.max_context_tokens, tokenizer_json=facts.tokenizer_json,
             chat_template=facts.chat_template, eos_token_ids=facts.eos_token_ids, tokenizer_sha256=digest,
             bos_token=facts.bos_token, eos_token=facts.eos_token)
 
@@ -416,6 +464,9 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
                     finished = True
                     _, message, status = finish_reason_of(out.get("meta_info") or {})
                     if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and status == 400:
+                        if request.sampling.HasField("grammar") and "grammar" in (message or ""):
+                            # SGLang's grammar backend could not compile it ("Failed to compile ... grammar")
+                            context.set_trailing_metadata(((INVALID_METADATA_KEY, "grammar"),))
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message or "invalid request")
                     if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and (status or 0) >= 500:
                         await context.abort(grpc.StatusCode.INTERNAL, message or "internal error in SGLang")
@@ -467,7 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model", required=True, help="local HF model directory (no downloads)")
-    p.add_argument("--model-name", default=None)
+    add_served_name_arguments(p)
     p.add_argument("--policy", choices=["vtc", "vtc-pred", "drr", "fcfs", "off"], default="vtc")
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--beta", type=float, default=2.0)
@@ -569,7 +620,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from fairshare.procs import port_in_use
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    served_names(parser, args)  # usage errors before anything starts
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
         print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
@@ -593,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = sglang.Engine(**engine_kwargs(args))
     try:
         context_len = getattr(engine.tokenizer_manager, "context_len", None) or args.context_length
-        facts = read_model_facts(args.model, context_len, args.model_name)
+        facts = read_model_facts(args.model, context_len, served_names(parser, args))
         servicer = SGLangWorkerServicer(engine, facts, secret, args.policy, verifier=verifier)
         if args.metrics_port:
             servicer.metrics.serve(args.metrics_host or args.host, args.metrics_port)

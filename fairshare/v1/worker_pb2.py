@@ -24,43 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x61irshare/v1/worker.proto\x12\x0c\x66\x61irshare.v1\"_\n\x06Tenant\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.fairshare.v1.Tier\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x04 \x01(\t\"\xad\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06tenant\x18\x02 \x01(\x0b\x32\x14.fairshare.v1.Tenant\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.fairshare.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x02 \x01(\x01\"\xb8\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.fairshare.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.fairshare.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.fairshare.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xc1\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x18\n\x10tokenizer_sha256\x18\x06 \x01(\t\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x11\n\teos_token\x18\x08 \x01(\t\"\x10\n\x0eGetLoadRequest\"\xa7\x03\n\nTenantLoad\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.fairshare.v1.Tier\x12\x17\n\x0fvirtual_counter\x18\x04 \x01(\x01\x12\x17\n\x0f\x63harged_service\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x15\n\routput_tokens\x18\x07 \x01(\x04\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x0f\n\x07running\x18\t \x01(\r\x12\x11\n\tkv_blocks\x18\n \x01(\r\x12\x10\n\x08\x66inished\x18\x0b \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12\x1c\n\x14kv_soft_quota_blocks\x18\r \x01(\r\x12\x1a\n\x12kv_hard_cap_blocks\x18\x0e \x01(\r\x12\x15\n\rkv_over_quota\x18\x0f \x01(\x08\x12\x13\n\x0bquota_waits\x18\x10 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_blocks\x18\x11 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x12 \x01(\x04\"\x8b\x03\n\x04Load\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12)\n\x07tenants\x18\x06 \x03(\x0b\x32\x18.fairshare.v1.TenantLoad\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x12\n\niterations\x18\x08 \x01(\x04\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x17\n\x0finflight_tokens\x18\n \x01(\x04\x12\x18\n\x10kv_quota_enabled\x18\x0b \x01(\x08\x12\x1b\n\x13reclaim_preemptions\x18\x0c \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_blocks\x18\r \x01(\r\x12\x1b\n\x13\x63\x61\x63he_public_blocks\x18\x0e \x01(\r\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x0f \x01(\x04\x12\x1b\n\x13\x63\x61\x63he_lookup_tokens\x18\x10 \x01(\x04*W\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10TIER_INTERACTIVE\x10\x01\x12\x0e\n\nTIER_BATCH\x10\x02\x12\x13\n\x0fTIER_BACKGROUND\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa0\x02\n\x06Worker\x12K\n\x08Generate\x12\x1d.fairshare.v1.GenerateRequest\x1a\x1e.fairshare.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.fairshare.v1.AbortRequest\x1a\x1b.fairshare.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.fairshare.v1.GetModelInfoRequest\x1a\x17.fairshare.v1.ModelInfo\x12;\n\x07GetLoad\x12\x1c.fairshare.v1.GetLoadRequest\x1a\x12.fairshare.v1.Loadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x66\x61irshare/v1/worker.proto\x12\x0c\x66\x61irshare.v1\"_\n\x06Tenant\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.fairshare.v1.Tier\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x04 \x01(\t\"\xfd\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12&\n\x07grammar\x18\x0b \x01(\x0b\x32\x15.fairshare.v1.GrammarB\x07\n\x05_seed\"z\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06tenant\x18\x02 \x01(\x0b\x32\x14.fairshare.v1.Tenant\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.fairshare.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x07Timings\x12\x10\n\x08queued_s\x18\x01 \x01(\x01\x12\x15\n\rfirst_token_s\x18\x02 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12%\n\x03top\x18\x03 \x03(\x0b\x32\x18.fairshare.v1.TopLogprob\"\xe6\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.fairshare.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.fairshare.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.fairshare.v1.Timings\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.fairshare.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xdd\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\x12\x16\n\x0etokenizer_json\x18\x03 \x01(\t\x12\x15\n\rchat_template\x18\x04 \x01(\t\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x18\n\x10tokenizer_sha256\x18\x06 \x01(\t\x12\x11\n\tbos_token\x18\x07 \x01(\t\x12\x11\n\teos_token\x18\x08 \x01(\t\x12\x1a\n\x12served_model_names\x18\t \x03(\t\"\x10\n\x0eGetLoadRequest\"\xa7\x03\n\nTenantLoad\x12\x11\n\ttenant_id\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.fairshare.v1.Tier\x12\x17\n\x0fvirtual_counter\x18\x04 \x01(\x01\x12\x17\n\x0f\x63harged_service\x18\x05 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x04\x12\x15\n\routput_tokens\x18\x07 \x01(\x04\x12\x0f\n\x07waiting\x18\x08 \x01(\r\x12\x0f\n\x07running\x18\t \x01(\r\x12\x11\n\tkv_blocks\x18\n \x01(\r\x12\x10\n\x08\x66inished\x18\x0b \x01(\x04\x12\x13\n\x0bpreemptions\x18\x0c \x01(\x04\x12\x1c\n\x14kv_soft_quota_blocks\x18\r \x01(\r\x12\x1a\n\x12kv_hard_cap_blocks\x18\x0e \x01(\r\x12\x15\n\rkv_over_quota\x18\x0f \x01(\x08\x12\x13\n\x0bquota_waits\x18\x10 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_blocks\x18\x11 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x12 \x01(\x04\"\x8b\x03\n\x04Load\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x15\n\rkv_block_size\x18\x05 \x01(\r\x12)\n\x07tenants\x18\x06 \x03(\x0b\x32\x18.fairshare.v1.TenantLoad\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x12\n\niterations\x18\x08 \x01(\x04\x12\x10\n\x08\x64raining\x18\t \x01(\x08\x12\x17\n\x0finflight_tokens\x18\n \x01(\x04\x12\x18\n\x10kv_quota_enabled\x18\x0b \x01(\x08\x12\x1b\n\x13reclaim_preemptions\x18\x0c \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_blocks\x18\r \x01(\r\x12\x1b\n\x13\x63\x61\x63he_public_blocks\x18\x0e \x01(\r\x12\x18\n\x10\x63\x61\x63he_hit_tokens\x18\x0f \x01(\x04\x12\x1b\n\x13\x63\x61\x63he_lookup_tokens\x18\x10 \x01(\x04*W\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x14\n\x10TIER_INTERACTIVE\x10\x01\x12\x0e\n\nTIER_BATCH\x10\x02\x12\x13\n\x0fTIER_BACKGROUND\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa0\x02\n\x06Worker\x12K\n\x08Generate\x12\x1d.fairshare.v1.GenerateRequest\x1a\x1e.fairshare.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.fairshare.v1.AbortRequest\x1a\x1b.fairshare.v1.AbortResponse\x12J\n\x0cGetModelInfo\x12!.fairshare.v1.GetModelInfoRequest\x1a\x17.fairshare.v1.ModelInfo\x12;\n\x07GetLoad\x12\x1c.fairshare.v1.GetLoadRequest\x1a\x12.fairshare.v1.Loadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'fairshare.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1945
-  _globals['_TIER']._serialized_end=2032
-  _globals['_FINISHREASON']._serialized_start=2034
-  _globals['_FINISHREASON']._serialized_end=2154
+  _globals['_TIER']._serialized_start=2362
+  _globals['_TIER']._serialized_end=2449
+  _globals['_FINISHREASON']._serialized_start=2451
+  _globals['_FINISHREASON']._serialized_end=2571
   _globals['_TENANT']._serialized_start=43
   _globals['_TENANT']._serialized_end=138
   _globals['_SAMPLINGPARAMS']._serialized_start=141
-  _globals['_SAMPLINGPARAMS']._serialized_end=314
-  _globals['_GENERATEREQUEST']._serialized_start=317
-  _globals['_GENERATEREQUEST']._serialized_end=486
-  _globals['_USAGE']._serialized_start=488
-  _globals['_USAGE']._serialized_end=575
-  _globals['_TIMINGS']._serialized_start=577
-  _globals['_TIMINGS']._serialized_end=627
-  _globals['_GENERATERESPONSE']._serialized_start=630
-  _globals['_GENERATERESPONSE']._serialized_end=814
-  _globals['_ABORTREQUEST']._serialized_start=816
-  _globals['_ABORTREQUEST']._serialized_end=850
-  _globals['_ABORTRESPONSE']._serialized_start=852
-  _globals['_ABORTRESPONSE']._serialized_end=882
-  _globals['_GETMODELINFOREQUEST']._serialized_start=884
-  _globals['_GETMODELINFOREQUEST']._serialized_end=905
-  _globals['_MODELINFO']._serialized_start=908
-  _globals['_MODELINFO']._serialized_end=1101
-  _globals['_GETLOADREQUEST']._serialized_start=1103
-  _globals['_GETLOADREQUEST']._serialized_end=1119
-  _globals['_TENANTLOAD']._serialized_start=1122
-  _globals['_TENANTLOAD']._serialized_end=1545
-  _globals['_LOAD']._serialized_start=1548
-  _globals['_LOAD']._serialized_end=1943
-  _globals['_WORKER']._serialized_start=2157
-  _globals['_WORKER']._serialized_end=2445
+  _globals['_SAMPLINGPARAMS']._serialized_end=394
+  _globals['_GRAMMAR']._serialized_start=396
+  _globals['_GRAMMAR']._serialized_end=518
+  _globals['_GENERATEREQUEST']._serialized_start=521
+  _globals['_GENERATEREQUEST']._serialized_end=690
+  _globals['_USAGE']._serialized_start=692
+  _globals['_USAGE']._serialized_end=779
+  _globals['_TIMINGS']._serialized_start=781
+  _globals['_TIMINGS']._serialized_end=831
+  _globals['_TOPLOGPROB']._serialized_start=833
+  _globals['_TOPLOGPROB']._serialized_end=880
+  _globals['_TOKENLOGPROB']._serialized_start=882
+  _globals['_TOKENLOGPROB']._serialized_end=970
+  _globals['_GENERATERESPONSE']._serialized_start=973
+  _globals['_GENERATERESPONSE']._serialized_end=1203
+  _globals['_ABORTREQUEST']._serialized_start=1205
+  _globals['_ABORTREQUEST']._serialized_end=1239
+  _globals['_ABORTRESPONSE']._serialized_start=1241
+  _globals['_ABORTRESPONSE']._serialized_end=1271
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1273
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1294
+  _globals['_MODELINFO']._serialized_start=1297
+  _globals['_MODELINFO']._serialized_end=1518
+  _globals['_GETLOADREQUEST']._serialized_start=1520
+  _globals['_GETLOADREQUEST']._serialized_end=1536
+  _globals['_TENANTLOAD']._serialized_start=1539
+  _globals['_TENANTLOAD']._serialized_end=1962
+  _globals['_LOAD']._serialized_start=1965
+  _globals['_LOAD']._serialized_end=2360
+  _globals['_WORKER']._serialized_start=2574
+  _globals['_WORKER']._serialized_end=2862
 # @@protoc_insertion_point(module_scope)

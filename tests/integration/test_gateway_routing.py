@@ -126,8 +126,8 @@ def test_generate_request_carries_gateway_derived_identity(gateway_factory, prox
     assert a1.tenant.cache_namespace == ns_a and a1.cache_salt == "my-salt"
     assert a1.sampling.max_tokens == 3 and a1.sampling.temperature == 0
     assert len(a1.prompt_token_ids) == r.usage.prompt_tokens
-    # max_tokens absent: the gateway sends an explicit number (the rest of the context)
-    assert a2.sampling.max_tokens == 2048 - len(a2.prompt_token_ids)
+    # max_tokens absent: the gateway sends an explicit number (OpenAI's default for completions)
+    assert a2.sampling.max_tokens == 16
     assert a2.sampling.seed == 5 and list(a2.sampling.stop) == ["x"]
     assert a2.sampling.top_p == pytest.approx(0.9) and a2.sampling.temperature == pytest.approx(0.7)
     assert a2.tenant.cache_namespace == ns_a and a2.cache_salt == ""

@@ -42,6 +42,11 @@ class FakeTokenizerManager:
     async def generate_request(self, obj, request=None):
         self.requests.append(obj)
         out, prompt = [], obj["input_ids"]
+        if obj["sampling_params"].get("regex") == "([":  # what SGLang answers to a grammar it cannot compile
+            yield {"output_ids": [], "meta_info": {"finish_reason": {
+                "type": "abort", "status_code": 400, "message": "Failed to compile regex grammar: unclosed ["},
+                "prompt_tokens": len(prompt), "completion_tokens": 0}}
+            return
         limit = obj["sampling_params"]["max_new_tokens"]
         self._abort_events[obj["rid"]] = asyncio.Event()
         for step in range(self.steps):
@@ -227,6 +232,21 @@ async def test_scheduler_failure_fails_open_streams_and_refuses_new_calls():
         text = servicer.metrics.render().decode()
         assert "fairshare_worker_engine_failed 1.0" in text and "fairshare_worker_engine_faults_total 1.0" in text
         await wait_for_async(lambda: "r-open" not in servicer.live, "the failed stream no longer live")
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_a_grammar_sglang_cannot_compile_is_invalid_argument_naming_the_grammar():
+    server, channel, stub, servicer = await _serve(FakeEngine())
+    try:
+        req = _request("r-grammar")
+        req.sampling.grammar.regex = "(["
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in stub.Generate(req, metadata=signed(req))]
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "compile" in err.value.details()
+        assert dict(err.value.trailing_metadata())["fairshare-invalid"] == "grammar"
+        assert "r-grammar" not in servicer.live
     finally:
         await channel.close()
         await server.stop(None)

@@ -75,6 +75,62 @@ def test_request_translation_defaults_and_limits():
             ss.request_to_sglang(make_request(**bad), FACTS, "sec")
 
 
+def test_request_translation_of_logprobs_and_grammars():
+    kw = ss.request_to_sglang(make_request(logprobs=True, top_logprobs=4), FACTS, "sec")
+    assert (kw["return_logprob"], kw["top_logprobs_num"], kw["logprob_start_len"]) == (True, 4, -1)
+    assert "return_logprob" not in ss.request_to_sglang(make_request(), FACTS, "sec")
+    for kind, value, key, expected in (("json_schema", '{"type": "string"}', "json_schema", '{"type": "string"}'),
+                                       ("json_object", True, "json_schema", '{"type": "object"}'),
+                                       ("regex", "[a-z]+", "regex", "[a-z]+"),
+                                       ("ebnf", 'root ::= "x"', "ebnf", 'root ::= "x"'),
+                                       ("structural_tag", '{"type": "structural_tag"}', "structural_tag",
+                                        '{"type": "structural_tag"}')):
+        req = make_request()
+        setattr(req.sampling.grammar, kind, value)
+        sp = ss.request_to_sglang(req, FACTS, "sec")["sampling_params"]
+        assert sp[key] == expected
+        assert not {"json_schema", "regex", "ebnf", "structural_tag"} - {key} & set(sp)
+    for bad in (dict(top_logprobs=3), dict(logprobs=True, top_logprobs=21)):
+        with pytest.raises(ss.InvalidRequest):
+            ss.request_to_sglang(make_request(**bad), FACTS, "sec")
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_stream_translation_carries_logprobs(incremental):
+    """SGLang's `output_token_logprobs` ((logprob, id, text) per position) and `output_top_logprobs`
+    (a list of those per position) become one TokenLogprob per token, in order, in either stream mode."""
+    tok = _char_tokenizer()
+    tr = ss.StreamTranslator([1], incremental, tok)
+    steps = [[(3, -0.1), (4, -0.2)], [(5, -0.3)]]
+    all_lp, all_top, all_ids, msgs = [], [], [], []
+    for i, step in enumerate(steps):
+        new_lp = [(lp, t, None) for t, lp in step]
+        new_top = [[(lp, t, None), (lp - 1, 9, None)] for t, lp in step]
+        all_lp += new_lp
+        all_top += new_top
+        all_ids += [t for t, _ in step]
+        meta = {"finish_reason": {"type": "length"} if i == len(steps) - 1 else None,
+                "output_token_logprobs": new_lp if incremental else list(all_lp),
+                "output_top_logprobs": new_top if incremental else list(all_top)}
+        msgs.append(tr.feed({"output_ids": [t for t, _ in step] if incremental else list(all_ids), "meta_info": meta}))
+    got = [(e.token_id, round(e.logprob, 3), [(a.token_id, round(a.logprob, 3)) for a in e.top])
+           for m in msgs for e in m.logprobs]
+    assert got == [(3, -0.1, [(3, -0.1), (9, -1.1)]), (4, -0.2, [(4, -0.2), (9, -1.2)]), (5, -0.3, [(5, -0.3), (9, -1.3)])]
+    assert [len(m.logprobs) for m in msgs] == [len(m.token_ids) for m in msgs]
+
+
+def test_served_model_names(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 32}))
+    f = ss.read_model_facts(tmp_path, name=["main", "alias"])
+    assert f.name == "main" and f.served_names == ["main", "alias"]
+    assert ss.read_model_facts(tmp_path).served_names == [tmp_path.resolve().name]
+    p = ss.build_parser()
+    args = p.parse_args(["--model", "/m", "--served-model-name", "a", "b"])
+    from worker.cli import served_names
+
+    assert served_names(p, args) == ["a", "b"]
+
+
 def _char_tokenizer() -> Tokenizer:
     vocab = {c: i for i, c in enumerate(["<eos>", *"abcdefghijklmnopqrstuvwxyz", " ", "."])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))

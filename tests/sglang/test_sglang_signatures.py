@@ -96,11 +96,40 @@ def test_engine_api_used_by_sglang_server():
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     fields = set(inspect.signature(GenerateReqInput).parameters)
-    assert {"input_ids", "sampling_params", "rid", "stream", "extra_key", "cache_salt"} <= fields
+    assert {"input_ids", "sampling_params", "rid", "stream", "extra_key", "cache_salt", "return_logprob",
+            "logprob_start_len", "top_logprobs_num"} <= fields
     sp = set(inspect.signature(SamplingParams).parameters)
     assert {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-            "sampling_seed", "custom_params", "skip_special_tokens"} <= sp
+            "sampling_seed", "custom_params", "skip_special_tokens", "json_schema", "regex", "ebnf",
+            "structural_tag"} <= sp
     assert list(inspect.signature(TokenizerManager.generate_request).parameters)[:3] == ["self", "obj", "request"]
     assert "rid" in inspect.signature(TokenizerManager.abort_request).parameters
     assert callable(TokenizerManager.auto_create_handle_loop)
     assert hasattr(sglang, "Engine")
+
+
+def test_logprobs_and_grammars_reach_sglang_as_it_reads_them():
+    """`request_to_sglang`'s logprob and grammar arguments build SGLang's own request objects, and the
+    logprob lists StreamTranslator reads are the ones SGLang slices for incremental streams."""
+    import json
+
+    from sglang.srt.managers import tokenizer_manager
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from fairshare.v1 import worker_pb2
+    from worker import sglang_server as ss
+
+    facts = ss.ModelFacts(name="m", max_context_tokens=64, vocab_size=100)
+    req = worker_pb2.GenerateRequest(request_id="r", prompt_token_ids=[1, 2], tenant=worker_pb2.Tenant(id="a"))
+    req.sampling.max_tokens = 4
+    req.sampling.logprobs, req.sampling.top_logprobs = True, 3
+    req.sampling.grammar.json_schema = json.dumps({"type": "object"})
+    kw = ss.request_to_sglang(req, facts, "sec")
+    obj = GenerateReqInput(**kw)
+    assert obj.return_logprob is True and obj.top_logprobs_num == 3 and obj.logprob_start_len == -1
+    params = SamplingParams(**kw["sampling_params"])
+    assert params.json_schema == '{"type": "object"}'
+    params.verify(100)  # SGLang's own check: one constraint at most, values in range
+    keys = tokenizer_manager._INCREMENTAL_STREAMING_META_INFO_KEYS
+    assert {"output_token_logprobs", "output_top_logprobs"} <= set(keys)

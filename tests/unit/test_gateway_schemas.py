@@ -53,8 +53,8 @@ def test_completion_prompt_forms():
 @pytest.mark.parametrize("extra,param", [
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"logit_bias": {"1": 2}}, "logit_bias"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),  # deprecated form of tools
+    ({"audio": {"voice": "alloy"}}, "audio"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.[0].content.[0].type"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),

@@ -113,7 +113,9 @@ class RequestOutput:
     token_ids: tokens committed since the last output. text_delta: complete UTF-8 text since the
     last output. finish_reason: set once, on the last output. queued_s / first_token_s: seconds
     from arrival at the worker to first scheduling / first output token. error: set when the
-    engine failed the request (then finish_reason is ABORT).
+    engine failed the request (then finish_reason is ABORT). logprobs: with
+    `SamplingParams.logprobs`, one (token id, logprob, [(id, logprob), ...top]) per token in
+    token_ids (worker/engine/sampler.py).
     """
 
     request_id: str
@@ -126,6 +128,7 @@ class RequestOutput:
     queued_s: float | None = None
     first_token_s: float | None = None
     error: str | None = None
+    logprobs: list = field(default_factory=list)
 
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -197,6 +200,19 @@ class Engine:
         self.faults = FaultWindow(self.config.fault_limit, self.config.fault_window_s)
         self.on_failed: Callable[[str], None] | None = None  # called (engine thread) once, when it fails
         self._recorded = False  # this step's charges went to the recorder
+        self._grammars = None  # worker/engine/grammar.GrammarCompiler, built on first use
+
+    def compile_grammar(self, kind: str, source: str = ""):
+        """A compiled grammar for `SamplingParams.grammar` (worker/engine/grammar.py; kinds json_schema,
+        json_object, regex, ebnf, structural_tag). Thread-safe and slow the first time (it builds the
+        vocabulary's token tables): call it off the engine loop. Raises InvalidGrammar (ValueError)."""
+        from worker.engine.grammar import GrammarCompiler
+
+        with self._lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.model.tokenizer, self.runner.vocab_size,
+                                                 sorted(self.eos_token_ids))
+        return self._grammars.compile(kind, source)
 
     # ---- thread-safe entry points -------------------------------------------------------------
     def add_request(self, request_id: str, tenant_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -312,6 +328,10 @@ class Engine:
             from worker.engine.sampler import make_generator
 
             seq.generator = make_generator(seq.sampling.seed)
+        if seq.sampling.grammar is not None and seq.constraint is None:
+            from worker.engine.grammar import Constraint
+
+            seq.constraint = Constraint(seq.sampling.grammar)
 
     def step(self) -> bool:
         """Run one iteration. Returns False when there was nothing to do. A fault once the batch is
@@ -428,7 +448,12 @@ class Engine:
             else:
                 from worker.engine.sampler import sample
 
-                tokens = sample(logits[rows], [s.sampling for s in seqs], [s.generator for s in seqs])
+                batch = logits[rows]
+                if any(s.constraint is not None for s in seqs):  # per-row grammar masks, same iteration
+                    from worker.engine.grammar import apply_masks
+
+                    batch = apply_masks(batch, [s.constraint for s in seqs])
+                tokens = sample(batch, [s.sampling for s in seqs], [s.generator for s in seqs])
             for seq, tok in zip(seqs, tokens):
                 units = self._commit(seq, tok, now)
                 if rec is not None:
@@ -438,9 +463,14 @@ class Engine:
         if rec is not None:
             rec.on_step(started, now, service, prefill, outputs)
 
-    def _commit(self, seq: Sequence, token: int, now: float) -> float:
-        """Commit one sampled token: charge it, detokenize, check stop conditions, emit.
-        Returns the service units charged for it."""
+    def _commit(self, seq: Sequence, token, now: float) -> float:
+        """Commit one sampled token (an id, or a `sampler.Sample` with its logprobs): charge it,
+        advance its grammar, detokenize, check stop conditions, emit. Returns the service units
+        charged for it."""
+        if not isinstance(token, int):
+            if token.logprob is not None:
+                seq.output_logprobs.append((token.token, token.logprob, token.top or []))
+            token = token.token
         units = self.cost.decode(1, len(seq.prompt_token_ids), len(seq.output_token_ids))
         seq.output_token_ids.append(token)
         self.policy.charge(seq.tenant_id, units, output_tokens=1, request_id=seq.request_id)
@@ -450,7 +480,12 @@ class Engine:
             seq.first_token_time = now
         reason = None
         params = seq.sampling
-        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+        done_grammar = False  # the grammar is complete (it accepted an end-of-sequence token)
+        if seq.constraint is not None:
+            done_grammar = not seq.constraint.accept(token) or seq.constraint.terminated
+            if done_grammar and token not in self.eos_token_ids:
+                log.warning("request %s: token %d outside its grammar; stopping", seq.request_id, token)
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos) or done_grammar:
             reason = FinishReason.STOP
         elif seq.detokenizer is not None:
             seq.output_text += seq.detokenizer.add(token)
@@ -521,6 +556,7 @@ class Engine:
         delta = seq.output_text[seq.emitted_text_len:end]
         seq.emitted_text_len = end
         new_tokens = seq.output_token_ids[seq.emitted_token_count:]
+        new_logprobs = seq.output_logprobs[seq.emitted_token_count:] if seq.output_logprobs else []
         seq.emitted_token_count = len(seq.output_token_ids)
         out = RequestOutput(
             request_id=seq.request_id, token_ids=new_tokens, text_delta=delta,
@@ -529,7 +565,7 @@ class Engine:
             cached_tokens=seq.num_cached_tokens,
             queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
             first_token_s=None if seq.first_token_time is None else self._first_token_s(seq),
-            error=error,
+            error=error, logprobs=new_logprobs,
         )
         if final:
             with self._lock:

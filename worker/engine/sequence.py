@@ -19,12 +19,19 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"     # cancelled by the client, the gateway or shutdown
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. max_tokens: output tokens (None = rest of the context).
     temperature 0 = greedy; top_p in (0, 1] (1 = off); top_k <= 0 = off; seed makes sampling
     reproducible; stop: strings that end generation and are never emitted; stop_token_ids:
-    token ids that end generation (not emitted as text); ignore_eos: keep going past EOS."""
+    token ids that end generation (not emitted as text); ignore_eos: keep going past EOS.
+    logprobs: return each committed token's log probability (worker/engine/sampler.py says which
+    distribution); top_logprobs: that many most likely alternatives too (0-20). grammar: an
+    xgrammar compiled grammar (`worker.engine.grammar.GrammarCompiler.compile`) constraining the
+    output; None = free."""
 
     max_tokens: int | None = 16
     temperature: float = 1.0
@@ -34,6 +41,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    grammar: object | None = None
 
     def validate(self) -> None:
         """Raise ValueError for out-of-range values."""
@@ -45,6 +55,10 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
 
 
 @dataclass
@@ -89,6 +103,8 @@ class Sequence:
     finish_time: float | None = None
     detokenizer: object | None = None
     generator: object | None = None
+    constraint: object | None = None      # grammar state (worker/engine/grammar.Constraint) when constrained
+    output_logprobs: list = field(default_factory=list)  # (token, logprob, top) per output token, when asked
 
     @property
     def all_token_ids(self) -> list[int]:
