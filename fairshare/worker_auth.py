@@ -25,7 +25,8 @@ token cannot outlive the memory (expiries more than ``max_ttl_s`` ahead are refu
 mounted Kubernetes Secret). The first entry signs; every entry is accepted. A file is re-read when it
 changes (checked at most once a second), so keys rotate without downtime: (1) append the new key on
 every worker and gateway (both accepted), (2) move it first (gateways sign with it), (3) once the old
-tokens have expired (``ttl_s``), remove the old key. Secrets must be at least 16 bytes.
+tokens have expired (``ttl_s``), remove the old key (`edit_keys_file`, ``fairshare keys worker``).
+Secrets must be at least 16 bytes.
 
 **Refusals** are gRPC ``UNAUTHENTICATED`` with one of `REASONS` (missing, malformed, unknown_key,
 bad_signature, expired, replayed), counted per reason by the `Verifier` (each worker exports the
@@ -137,6 +138,41 @@ def ensure_keys_file(path: str | os.PathLike) -> Path:
             f.write("# FairShare worker-auth keys (fairshare/worker_auth.py): KID:SECRET, the first signs\n")
             f.write(new_key_text())
     return p
+
+
+def edit_keys_file(path: str | os.PathLike, *, add: bool = False, promote: str | None = None,
+                   remove: str | None = None) -> WorkerKeys:
+    """One rotation step on a keys file (created with one key when missing), written atomically, mode
+    0600: `add` appends a fresh key (accepted, not signing yet); `promote` moves key id `promote`
+    first (it signs); `remove` drops key id `remove` (refused from then on). Returns the new ring.
+    Raises KeysError for an unknown key id or removing the last key."""
+    import tempfile
+
+    p = ensure_keys_file(path)
+    keys = WorkerKeys.parse(p.read_text(encoding="utf-8"), str(p))
+    entries = list(keys.entries)
+    if add:
+        kid = "k" + time.strftime("%Y%m%d%H%M%S")
+        while any(k == kid for k, _ in entries):
+            kid += "b"
+        entries.append(WorkerKeys.parse(new_key_text(kid)).entries[0])
+    for wanted in (promote, remove):
+        if wanted is not None and not any(k == wanted for k, _ in entries):
+            raise KeysError(f"{p}: no key {wanted!r} (keys: {', '.join(k for k, _ in entries)})")
+    if promote is not None:
+        entries.sort(key=lambda e: e[0] != promote)
+    if remove is not None:
+        if len(entries) == 1:
+            raise KeysError(f"{p}: {remove!r} is the only key; add another first")
+        entries = [e for e in entries if e[0] != remove]
+    text = "# FairShare worker-auth keys (fairshare/worker_auth.py): KID:SECRET; the first signs\n" + "".join(
+        f"{k}:{v.decode()}\n" for k, v in entries)
+    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", dir=p.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, p)
+    return WorkerKeys(tuple(entries))
 
 
 class KeySource:
@@ -377,5 +413,5 @@ async def require(verifier: Verifier | None, claims: Claims, context, on_refused
 
 
 __all__ = ["AuthError", "Claims", "KeySource", "KeysError", "METADATA_KEY", "REASONS", "Signer", "Verifier",
-           "WorkerKeys", "abort_claims", "ensure_keys_file", "generate_claims", "new_key_text", "require",
-           "token_of"]
+           "WorkerKeys", "abort_claims", "edit_keys_file", "ensure_keys_file", "generate_claims", "new_key_text",
+           "require", "token_of"]

@@ -67,6 +67,7 @@ Keys
     fairshare keys import --tenant ID [--tenants FILE] [--secret-file FILE] [--keys-file FILE] < key.txt
     fairshare keys list   [--tenants FILE] [--keys-file FILE]
     fairshare keys revoke --key-id KID [--tenants FILE] [--keys-file FILE]
+    fairshare keys worker --file FILE [--add | --promote KID | --remove KID]
 
 ``keys create`` prints the new key (``sk-fs-...``) once on stdout (one line, nothing else) and stores
 only its HMAC-SHA256 digest under the server secret in the **keys file** (default
@@ -79,6 +80,12 @@ file that does not exist yet, ``keys create`` creates it (random 32 bytes, hex, 
 input (a prompt without echo on a terminal; never a command-line argument, which other users can
 see in the process list), checks it looks like a key (one line, 16-1024 printable characters) and
 stores only its digest, like ``create``. A key already stored is refused.
+
+``keys worker`` manages the worker-auth keys file (not API keys: the key ring the gateways sign every
+worker call with and the workers verify, fairshare/worker_auth.py): it creates the file with one key
+when missing, and does one step of a rotation without downtime: ``--add`` (a new key, accepted
+everywhere once the file has reached every host), ``--promote KID`` (the gateways sign with it),
+``--remove KID`` (a minute later: its tokens have expired).
 
 Without ``--tenants`` (and ``FAIRSHARE_TENANTS_FILE``) the commands use the state directory of
 ``fairshare up`` (``$FAIRSHARE_STATE_DIR``, ``./var`` in a source checkout, else
@@ -252,7 +259,27 @@ def build_keys_parser() -> argparse.ArgumentParser:
                            "(or set FAIRSHARE_SECRET; default: the secret next to the tenants file)")
         if name == "revoke":
             s.add_argument("--key-id", dest="key_id", required=True)
+    w = sub.add_parser("worker", help="the worker-auth keys file: create it, or one rotation step "
+                                      "(fairshare/worker_auth.py)")
+    w.add_argument("--file", required=True, help="the keys file the gateways and the workers read (created with "
+                                                 "one key when missing)")
+    step = w.add_mutually_exclusive_group()
+    step.add_argument("--add", action="store_true", help="rotation step 1: append a fresh key (accepted, not signing)")
+    step.add_argument("--promote", metavar="KID", help="rotation step 2: make KID the signing key")
+    step.add_argument("--remove", metavar="KID", help="rotation step 3: stop accepting KID")
     return p
+
+
+def _worker_keys(args) -> int:
+    from fairshare import worker_auth
+
+    try:
+        keys = worker_auth.edit_keys_file(args.file, add=args.add, promote=args.promote, remove=args.remove)
+    except worker_auth.KeysError as e:
+        print(f"fairshare keys worker: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: signing key {keys.ids[0]}; accepted: {', '.join(keys.ids)}", file=sys.stderr)
+    return 0
 
 
 def _has_secret(settings) -> bool:
@@ -272,13 +299,15 @@ MAX_STDIN_KEY_BYTES = 4096
 
 
 def keys_main(argv: list[str] | None = None) -> int:
-    """`fairshare keys create|list|revoke`; returns the exit code."""
+    """`fairshare keys create|import|list|revoke|worker`; returns the exit code."""
     from fairshare.config import default_state_dir, load_keys, load_tenants
 
     from .auth import check_imported_key, create_key, revoke_key, store_key
     from .config import GatewaySettings, ensure_secret_file
 
     args = build_keys_parser().parse_args(argv)
+    if args.cmd == "worker":
+        return _worker_keys(args)
     overrides = {k: v for k, v in (("tenants_file", args.tenants_file), ("keys_file", args.keys_file),
                                    ("secret_file", getattr(args, "secret_file", None))) if v is not None}
     settings = GatewaySettings(**overrides)

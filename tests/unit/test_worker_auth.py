@@ -109,3 +109,23 @@ def test_key_file_is_reread_when_it_changes_and_kept_when_broken(tmp_path):
         wa.KeySource(path=tmp_path / "missing")
     assert wa.KeySource.from_settings(environ={}) is None
     assert wa.KeySource.from_settings(environ={wa.KEYS_ENV: "e:" + "d" * 20}).keys().ids == ["e"]
+
+
+def test_rotation_steps_on_a_keys_file(tmp_path, capsys):
+    """`fairshare keys worker`: create, add (accepted, not signing), promote (signs), remove (refused)."""
+    from gateway.cli import keys_main
+
+    path = tmp_path / "worker-keys"
+    assert keys_main(["worker", "--file", str(path)]) == 0
+    (first,) = wa.WorkerKeys.parse(path.read_text()).ids
+    assert keys_main(["worker", "--file", str(path), "--add"]) == 0
+    ring = wa.WorkerKeys.parse(path.read_text())
+    assert ring.ids[0] == first and len(ring.ids) == 2
+    new = ring.ids[1]
+    assert keys_main(["worker", "--file", str(path), "--promote", new]) == 0
+    assert wa.WorkerKeys.parse(path.read_text()).ids == [new, first]
+    assert keys_main(["worker", "--file", str(path), "--remove", first]) == 0
+    assert wa.WorkerKeys.parse(path.read_text()).ids == [new] and path.stat().st_mode & 0o777 == 0o600
+    assert keys_main(["worker", "--file", str(path), "--remove", new]) == 1  # never the last one
+    assert keys_main(["worker", "--file", str(path), "--promote", "nope"]) == 1
+    assert "signing key" in capsys.readouterr().err
