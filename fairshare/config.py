@@ -223,6 +223,22 @@ def load_keys(path: str | os.PathLike) -> KeysFile:
     return KeysFile.model_validate(data)
 
 
+def create_private_file(path: str | os.PathLike, text: str) -> bool:
+    """Create `path` (and its directory) holding `text`, mode 0600, unless it exists; never overwrites
+    (another process creating it meanwhile wins). Returns whether this call created it."""
+    p = Path(path)
+    if p.exists():
+        return False
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
+
+
 def save_keys(path: str | os.PathLike, keys: KeysFile) -> None:
     """Write a keys file atomically (temp file + rename), mode 0600."""
     path = Path(path)

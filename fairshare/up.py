@@ -98,12 +98,9 @@ class UpError(Exception):
 
 def ensure_secret(path: Path) -> None:
     """Create the server secret once (mode 0600); leave an existing one alone."""
-    if path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+    from fairshare.config import create_private_file
+
+    create_private_file(path, secrets.token_urlsafe(32) + "\n")
 
 
 def write_demo_tenants(path: Path) -> None:

@@ -127,16 +127,11 @@ def new_key_text(kid: str | None = None) -> str:
 
 def ensure_keys_file(path: str | os.PathLike) -> Path:
     """Create `path` with one fresh key (mode 0600) unless it exists; returns the path."""
+    from fairshare.config import create_private_file
+
     p = Path(path)
-    if not p.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            return p
-        with os.fdopen(fd, "w") as f:
-            f.write("# FairShare worker-auth keys (fairshare/worker_auth.py): KID:SECRET, the first signs\n")
-            f.write(new_key_text())
+    create_private_file(p, "# FairShare worker-auth keys (fairshare/worker_auth.py): KID:SECRET; the first signs\n"
+                        + new_key_text())
     return p
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from fairshare.config import Tier, default_keys_path
+from fairshare.config import Tier, create_private_file, default_keys_path
 
 OutagePolicy = Literal["fail_closed", "degrade"]
 DEFAULT_TIER_TIMEOUTS_S: dict[Tier, float | None] = {Tier.INTERACTIVE: 600.0, Tier.BATCH: None, Tier.BACKGROUND: None}
@@ -273,15 +273,7 @@ class GatewaySettings(BaseSettings):
 def ensure_secret_file(path: str | os.PathLike) -> bytes:
     """Return the secret stored in `path`, creating it (32 random bytes as hex, mode 0600) if absent."""
     p = Path(path)
-    if not p.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process created it meanwhile
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
+    create_private_file(p, secrets.token_hex(32) + "\n")
     data = p.read_text(encoding="utf-8").strip()
     if not data:
         raise RuntimeError(f"secret file {p} is empty")
