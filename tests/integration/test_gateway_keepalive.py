@@ -6,15 +6,18 @@ the interval ever sees an idle connection. The official openai client accepts th
 
 The wait is reached by construction: the test worker's engine is held (tests/support), so the
 requests stay queued for as long as the test wants, on any machine. "A 90 s wait" is parameterised
-by the interval: with the production interval (15 s) a 90 s wait is six keep-alives; here the
-interval is 0.25 s and the requests are held until at least six keep-alives came through, which
-exercises the same code path (one timer per interval, the same bytes) with the same count. What a
-proxy does with it follows: any idle timeout longer than the interval is reset by each comment.
+by the interval: with the production interval (15 s) a 90 s wait is the headers at 15 s and five
+keep-alives after them; here the interval is 0.25 s and the requests are held until at least six
+keep-alives came through, which exercises the same code path (one timer per interval, the same
+bytes) with a larger count. What a proxy does with it follows: any idle timeout longer than the interval is reset by each comment.
+`test_90_s_queue_wait_with_the_production_interval` runs the wait at its real size (the default 15 s
+interval, 90 s queued, a client reading with a 60 s idle timeout); it takes about 95 s.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -24,7 +27,7 @@ from tests.support.waits import join_all, wait_for
 
 MODEL = "random-tiny"
 INTERVAL_S = 0.25
-KEEPALIVES = 6  # the production interval (15 s) over a 90 s wait
+KEEPALIVES = 6  # more than a 90 s wait at the production interval (15 s) gives: 5 after the headers
 TENANTS = [{"id": "low", "weight": 0.05, "limits": {"tpm": 100000}},
            {"id": "ka-deadline", "weight": 1.0, "limits": {"tpm": 100000}}]
 
@@ -132,3 +135,82 @@ def test_deadline_after_the_headers_is_the_streams_last_event(gw, control):
     (one,) = r.values()
     assert one.admit is None and one.abort_requested is not None and one.reason == "abort"
     wait_for(lambda: gw.leases("ka-deadline") == {}, "the lease released")
+
+
+PRODUCTION_INTERVAL_S = 15.0  # GatewaySettings.keepalive_interval_s's default
+PROXY_IDLE_TIMEOUT_S = 60.0  # a common load balancer idle timeout (AWS ALB, nginx proxy_read_timeout)
+QUEUE_WAIT_S = 90.0
+
+
+def test_90_s_queue_wait_with_the_production_interval(gateway_factory, control):
+    """The must-show at its real size: a tiny-weight tenant's stream waits 90 s in the worker's queue
+    (engine held: a worker that schedules nothing for 90 s) under the default keep-alive interval.
+    The raw client reads with a 60 s idle timeout, as a load balancer would, and sees the headers
+    at the grace (one interval) and a keep-alive every interval after; the official openai client,
+    streaming the same way meanwhile, gets its whole answer without error.
+
+    By construction: the engine is released only once five keep-alives came (15 s grace + 5 x 15 s =
+    90 s on the gateway's own timers) and 90 s passed since the test saw both requests queued, so the
+    wait is at least 90 s on any machine."""
+    gw = gateway_factory([{"id": "slow-low", "weight": 0.01, "limits": {"tpm": 100000}}])
+    assert gw.settings.keepalive_interval_s == PRODUCTION_INTERVAL_S
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 8,
+            "ignore_eos": True}
+    raw_lines: list[str] = []
+    answer: dict[str, object] = {}
+    # the idle timeout of a proxy: any read that waits longer than this fails the raw stream
+    http = httpx.Client(timeout=httpx.Timeout(PROXY_IDLE_TIMEOUT_S, connect=10))
+
+    def raw_stream() -> None:
+        req = http.build_request("POST", gw.base_url + "/v1/chat/completions", json={**body, "stream": True},
+                                 headers={"authorization": f"Bearer {gw.keys['slow-low']}"})
+        try:
+            resp = http.send(req, stream=True)
+            try:
+                answer["raw_status"] = resp.status_code
+                for line in resp.iter_lines():
+                    raw_lines.append(line)
+            finally:
+                resp.close()
+        except Exception as e:  # noqa: BLE001 - reported by the assertions below
+            answer["raw_error"] = e
+
+    def openai_stream() -> None:
+        try:
+            chunks = list(gw.client("slow-low").chat.completions.create(
+                stream=True, model=MODEL, messages=body["messages"], max_tokens=body["max_tokens"],
+                extra_body={"ignore_eos": True}))
+        except Exception as e:  # noqa: BLE001 - reported by the assertions below
+            answer["error"] = e
+            return
+        answer["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+    control.hold()
+    threads = [threading.Thread(target=raw_stream), threading.Thread(target=openai_stream)]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: (control.tenant_load("slow-low") or {}).get("waiting") == 2,
+                 "both requests queued at the worker")
+        queued_at = time.monotonic()
+        keepalives = lambda: sum(1 for ln in raw_lines if ln == ": keep-alive")  # noqa: E731
+        wait_for(lambda: keepalives() >= 5 or "raw_error" in answer,
+                 lambda: f"five keep-alives (90 s at the 15 s interval); {keepalives()} so far",
+                 timeout_s=QUEUE_WAIT_S * 4)
+        assert "raw_error" not in answer, answer  # the 60 s idle timeout never fired
+        assert not any(ln.startswith("data:") for ln in raw_lines)
+        # and at least 90 s on the test's own clock since it saw both queued (the remainder, if any)
+        time.sleep(max(0.0, QUEUE_WAIT_S - (time.monotonic() - queued_at)))
+        waited_s = time.monotonic() - queued_at
+        print(f"queued {waited_s:.1f} s, {keepalives()} keep-alives")  # (for the report; the bound is by construction)
+    finally:
+        control.release()
+    join_all(threads, "both streams finished", timeout_s=120)
+    http.close()
+    assert answer.get("raw_status") == 200 and "raw_error" not in answer, answer
+    assert raw_lines[-1] == "data: [DONE]" or raw_lines[-2:] == ["data: [DONE]", ""]
+    assert "error" not in answer, answer
+    assert answer["finish"] == ["length"]
+    events = control.events(tenant="slow-low")
+    released = max(e["seq"] for e in control.events() if e["kind"] == "released")
+    assert [e["seq"] > released for e in events if e["kind"] == "admit"] == [True, True]
