@@ -40,6 +40,40 @@ def test_openai_sse_decoder_ignores_keepalive_comments():
     assert [e.data for e in events] == ['{"a": 1}', "[DONE]"]
 
 
+def raw_stream(http: httpx.Client, gw, tenant: str, body: dict, lines: list[str], answer: dict,
+               got_headers: threading.Event | None = None) -> None:
+    """Stream `body` as `tenant` with plain httpx, appending every line (comments included) to
+    `lines`; the status goes to ``answer["raw_status"]``, an exception to ``answer["raw_error"]``."""
+    req = http.build_request("POST", gw.base_url + "/v1/chat/completions", json={**body, "stream": True},
+                             headers={"authorization": f"Bearer {gw.keys[tenant]}"})
+    try:
+        resp = http.send(req, stream=True)
+        try:
+            answer["raw_status"] = resp.status_code
+            if got_headers is not None:
+                got_headers.set()
+            for line in resp.iter_lines():
+                lines.append(line)
+        finally:
+            resp.close()
+    except Exception as e:  # noqa: BLE001 - reported by the caller's assertions
+        answer["raw_error"] = e
+
+
+def openai_stream(gw, tenant: str, body: dict, answer: dict) -> None:
+    """Stream `body` as `tenant` through the official openai client: the text and the finish reasons go
+    to ``answer["text"]`` / ``answer["finish"]``, an exception to ``answer["error"]``."""
+    try:
+        chunks = list(gw.client(tenant).chat.completions.create(
+            stream=True, model=MODEL, messages=body["messages"], max_tokens=body["max_tokens"],
+            extra_body={"ignore_eos": True}))
+    except Exception as e:  # noqa: BLE001 - reported by the caller's assertions
+        answer["error"] = e
+        return
+    answer["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    answer["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+
 @pytest.fixture
 def gw(gateway_factory):
     return gateway_factory(TENANTS, keepalive_interval_s=INTERVAL_S)
@@ -49,42 +83,20 @@ def test_queued_stream_gets_headers_keepalives_and_then_its_answer(gw, control):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 12,
             "ignore_eos": True}
     raw_lines: list[str] = []
-    headers_at: dict[str, float] = {}
     got_headers = threading.Event()
     answer: dict[str, object] = {}
     http = httpx.Client(timeout=60)
-
-    def raw_stream() -> None:
-        req = http.build_request("POST", gw.base_url + "/v1/chat/completions", json={**body, "stream": True},
-                                 headers={"authorization": f"Bearer {gw.keys['low']}"})
-        resp = http.send(req, stream=True)
-        try:
-            headers_at["status"] = resp.status_code
-            got_headers.set()
-            for line in resp.iter_lines():
-                raw_lines.append(line)
-        finally:
-            resp.close()
-
-    def openai_stream() -> None:
-        try:
-            chunks = list(gw.client("low").chat.completions.create(
-                stream=True, model=MODEL, messages=body["messages"], max_tokens=body["max_tokens"],
-                extra_body={"ignore_eos": True}))
-        except Exception as e:  # noqa: BLE001 - reported by the assertions below
-            answer["error"] = e
-            return
-        answer["text"] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-        answer["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    raw = threading.Thread(target=raw_stream, args=(http, gw, "low", body, raw_lines, answer, got_headers))
+    sdk = threading.Thread(target=openai_stream, args=(gw, "low", body, answer))
+    threads = [raw, sdk]
 
     control.hold()  # the worker schedules nothing: both requests wait in its queue
-    threads = [threading.Thread(target=raw_stream), threading.Thread(target=openai_stream)]
     try:
         for t in threads:
             t.start()
         wait_for(lambda: (control.tenant_load("low") or {}).get("waiting") == 2, "both requests queued at the worker")
         wait_for(got_headers.is_set, "the raw stream's response headers, while its request is queued")
-        assert headers_at["status"] == 200
+        assert answer["raw_status"] == 200
         keepalives = lambda: sum(1 for ln in raw_lines if ln == ": keep-alive")  # noqa: E731
         wait_for(lambda: keepalives() >= KEEPALIVES, lambda: f"{KEEPALIVES} keep-alive comments; {keepalives()} so far")
         assert not any(ln.startswith("data:") for ln in raw_lines)  # nothing but keep-alives while queued
@@ -95,7 +107,7 @@ def test_queued_stream_gets_headers_keepalives_and_then_its_answer(gw, control):
     first_data = next(i for i, ln in enumerate(raw_lines) if ln.startswith("data:"))
     assert all(ln in (": keep-alive", "") for ln in raw_lines[:first_data])
     assert raw_lines[-2:] == ["data: [DONE]", ""] or raw_lines[-1] == "data: [DONE]"
-    assert "error" not in answer, answer
+    assert "error" not in answer and "raw_error" not in answer, answer
     assert answer["finish"] == ["length"] and answer["text"]
     # both were queued the whole time: admitted only after the release
     events = control.events(tenant="low")
@@ -161,32 +173,9 @@ def test_90_s_queue_wait_with_the_production_interval(gateway_factory, control):
     # the idle timeout of a proxy: any read that waits longer than this fails the raw stream
     http = httpx.Client(timeout=httpx.Timeout(PROXY_IDLE_TIMEOUT_S, connect=10))
 
-    def raw_stream() -> None:
-        req = http.build_request("POST", gw.base_url + "/v1/chat/completions", json={**body, "stream": True},
-                                 headers={"authorization": f"Bearer {gw.keys['slow-low']}"})
-        try:
-            resp = http.send(req, stream=True)
-            try:
-                answer["raw_status"] = resp.status_code
-                for line in resp.iter_lines():
-                    raw_lines.append(line)
-            finally:
-                resp.close()
-        except Exception as e:  # noqa: BLE001 - reported by the assertions below
-            answer["raw_error"] = e
-
-    def openai_stream() -> None:
-        try:
-            chunks = list(gw.client("slow-low").chat.completions.create(
-                stream=True, model=MODEL, messages=body["messages"], max_tokens=body["max_tokens"],
-                extra_body={"ignore_eos": True}))
-        except Exception as e:  # noqa: BLE001 - reported by the assertions below
-            answer["error"] = e
-            return
-        answer["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-
     control.hold()
-    threads = [threading.Thread(target=raw_stream), threading.Thread(target=openai_stream)]
+    threads = [threading.Thread(target=raw_stream, args=(http, gw, "slow-low", body, raw_lines, answer)),
+               threading.Thread(target=openai_stream, args=(gw, "slow-low", body, answer))]
     try:
         for t in threads:
             t.start()
