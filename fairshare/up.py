@@ -66,7 +66,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from fairshare.config import CONFIG_REJECTED, CONFIG_RELOADED, default_state_dir
+from fairshare.config import CONFIG_REJECTED, CONFIG_RELOADED, create_private_file, default_state_dir
 from fairshare.procs import find_redis_server, free_port, port_in_use, start_redis
 from fairshare.supervisor import (SIGNALS, STOP_TIMEOUT_S, Child, ChildDied, ChildSpec, CrashLoop, Stop, Supervisor,
                                   _die_with_parent, shown_path, spawn)
@@ -98,8 +98,6 @@ class UpError(Exception):
 
 def ensure_secret(path: Path) -> None:
     """Create the server secret once (mode 0600); leave an existing one alone."""
-    from fairshare.config import create_private_file
-
     create_private_file(path, secrets.token_urlsafe(32) + "\n")
 
 
