@@ -10,7 +10,11 @@ A request's deadline is the earlier of
   non-streamed request also ``x-stainless-read-timeout``, the timeout the official SDKs send with
   every request: nothing is sent before a non-streamed body, so the SDK's read timeout bounds the
   whole wait and there is no point generating past it. For a stream it only bounds the gap between
-  two chunks, which keep-alives fill (gateway/keepalive.py), so it is not a deadline there.
+  two chunks, which keep-alives fill (gateway/keepalive.py), so it is not a deadline there. The
+  SDK gives up on its own at that timeout, so the gateway's deadline from this header runs
+  ``SDK_GRACE_S`` longer: the client always sees its own timeout (``APITimeoutError``, which it may
+  retry), never a 408 racing it; the generation is stopped either way (the client left, or the
+  deadline passed).
 
 A client can only shorten the server's deadline. The deadline travels to the worker as the gRPC
 deadline of every call: a request still queued there when it passes is aborted at the worker (its
@@ -41,6 +45,8 @@ from .errors import APIError, invalid_request
 
 CLIENT_HEADER = "x-request-timeout"
 SDK_HEADER = "x-stainless-read-timeout"
+SDK_GRACE_S = 1.0  # seconds past the SDK's read timeout before the gateway's own deadline passes
+SDK_SOURCE = "the client's timeout"
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ def client_timeout_s(headers: Mapping[str, str], stream: bool) -> tuple[float | 
         except ValueError:
             value = math.nan
         if value > 0 and math.isfinite(value):
-            return value, "the client's timeout"
+            return value, SDK_SOURCE
     return None, ""
 
 
@@ -109,10 +115,11 @@ def request_deadline(settings, tenant: TenantConfig, headers: Mapping[str, str],
     server_s, server_src = server_timeout_s(settings, tenant)
     client_s, client_src = client_timeout_s(headers, stream)
     if client_s is not None and (server_s is None or client_s < server_s):
-        return Deadline(now + client_s, client_s, "client", client_src)
+        end_s = client_s + SDK_GRACE_S if client_src == SDK_SOURCE else client_s  # (the SDK's own timer first)
+        return Deadline(now + (end_s if server_s is None else min(end_s, server_s)), client_s, "client", client_src)
     if server_s is not None:
         return Deadline(now + server_s, server_s, "server", server_src)
     return Deadline(None, None)
 
 
-__all__ = ["CLIENT_HEADER", "Deadline", "SDK_HEADER", "client_timeout_s", "request_deadline", "server_timeout_s"]
+__all__ = ["CLIENT_HEADER", "Deadline", "SDK_GRACE_S", "SDK_HEADER", "client_timeout_s", "request_deadline", "server_timeout_s"]

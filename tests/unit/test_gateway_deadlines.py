@@ -7,7 +7,7 @@ import pytest
 from fairshare.config import TenantConfig, Tier
 from fairshare.worker_auth import Claims
 from gateway.config import GatewaySettings
-from gateway.deadlines import request_deadline
+from gateway.deadlines import SDK_GRACE_S, request_deadline
 from gateway.errors import APIError
 
 
@@ -42,7 +42,10 @@ def test_whose_deadline():
     d = request_deadline(s, inter, {"x-request-timeout": "9000"}, stream=True, now=0.0)
     assert (d.at, d.owner) == (600.0, "server") and d.error().status == 504
     # the SDK's timeout counts for a non-streamed request only (a stream's gaps are kept alive)
-    assert request_deadline(s, bg, {"x-stainless-read-timeout": "60"}, stream=False, now=0.0).at == 60.0
+    # ... and its deadline runs SDK_GRACE_S past it, so the SDK's own timeout fires first (no 408 race)
+    assert request_deadline(s, bg, {"x-stainless-read-timeout": "60"}, stream=False, now=0.0).at == 60.0 + SDK_GRACE_S
+    sdk = request_deadline(s, inter, {"x-stainless-read-timeout": "599.5"}, stream=False, now=0.0)
+    assert (sdk.at, sdk.seconds, sdk.owner) == (600.0, 599.5, "client")  # never past the server's
     assert request_deadline(s, bg, {"x-stainless-read-timeout": "60"}, stream=True, now=0.0).at is None
     assert request_deadline(s, bg, {"x-stainless-read-timeout": "junk"}, stream=False, now=0.0).at is None
     with pytest.raises(APIError) as err:
