@@ -8,6 +8,8 @@
     fairshare bench chaos [--minutes 10] [...]  (mixed load while Redis, a worker and the gateway are
                                       killed at random; outcomes and leaks; fairshare/chaos_bench.py)
     fairshare bench grammar [...]   (cost of grammar-constrained decoding; worker/engine/grammar_bench.py)
+    fairshare bench scheduler [...]    (the scheduling core's decision time per iteration; worker/sim/sched_bench.py)
+    fairshare bench weights [...]      (what a weight means when nobody queues, and its cost; worker/sim/weights_bench.py)
 
 `engine`: decode throughput of the reference engine (continuous batching, paged KV) at each batch
 size, and in the same run transformers' `generate` at static batch 8 on the same weights; prints
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare bench`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|grammar|chaos} [options]")
+        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|grammar|chaos|scheduler|weights} [options]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -106,6 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         from worker.cache.bench import main as cache_bench
 
         return cache_bench(rest)
+    if what == "weights":
+        from worker.sim.weights_bench import main as weights_bench
+
+        return weights_bench(rest)
+    if what == "scheduler":
+        from worker.sim.sched_bench import main as scheduler_bench
+
+        return scheduler_bench(rest)
     if what == "sidechannel":
         from loadtests.sidechannel import main as sidechannel_bench
 

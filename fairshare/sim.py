@@ -12,8 +12,10 @@
 from the real runner on this machine (needs torch; `--device cuda` on a GPU) and saves it as JSON.
 `run` simulates one workload under one policy and prints the per-tenant metrics. `report` runs
 every workload under every policy side by side, writes the markdown report and PNG plots, and
-prints the benchmark figures; the memory-isolation workloads (`memory-flood`) are run with KV quotas
-off and on and written as their own sections (not in the fairness summary). Every command that
+prints the benchmark figures; the priority-tier workloads (`tiers`, `tiers-heavy`) are run alone,
+with tiers, with tiers and an iteration token target, tier-blind and under FCFS, and the
+memory-isolation workloads (`memory-flood`) with KV quotas off and on, each written as their own
+sections (not in the fairness summary). Every command that
 reports prints the cost function and weights.
 `run` and `report` import no torch.
 """
@@ -58,9 +60,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_list(argv: list[str]) -> int:
-    from loadtests.workloads import all_workloads, quota_workloads
+    from loadtests.workloads import all_workloads, quota_workloads, tier_workloads
 
-    for w in all_workloads() + quota_workloads():
+    for w in all_workloads() + tier_workloads() + quota_workloads():
         weights = ", ".join(f"{t.tenant_id}={t.weight:g}" for t in w.tenants)
         print(f"{w.name:<20} {w.description}  [weights {weights}; {w.source}]")
     return 0
@@ -135,26 +137,30 @@ def cmd_report(argv: list[str]) -> int:
     p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"))
     _add_common(p)
     args = p.parse_args(argv)
-    from loadtests.workloads import all_workloads, get_workload, quota_workloads
+    from loadtests.workloads import all_workloads, get_workload, quota_workloads, tier_workloads
     from worker.sim.quota_report import table
     from worker.sim.report import benchmark_lines, run_benchmark, write_report
 
     quota_names = {w.name for w in quota_workloads()}
+    tier_names = {w.name for w in tier_workloads()}
     if args.workloads == "all":
-        workloads, quota = all_workloads(), quota_workloads()
+        workloads, quota, tiers = all_workloads(), quota_workloads(), tier_workloads()
     else:
         try:
             chosen = [get_workload(n.strip()) for n in args.workloads.split(",") if n.strip()]
         except KeyError as exc:
             p.error(exc.args[0])
-        workloads = [w for w in chosen if w.name not in quota_names]
+        workloads = [w for w in chosen if w.name not in quota_names | tier_names]
         quota = [w for w in chosen if w.name in quota_names]
+        tiers = [w for w in chosen if w.name in tier_names]
     if not workloads:
-        p.error("--workloads needs at least one fairness workload (memory-flood only adds its KV-quota section)")
+        p.error("--workloads needs at least one fairness workload (memory-flood and the tiers workloads only add "
+                "their own sections)")
     policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     tm = _profile(args.profile)
     bench = run_benchmark(workloads, policies, tm, seed=args.seed, rate_scale=args.rate_scale,
-                          progress=lambda s: print(s, flush=True), quota_workloads=quota, **_engine_overrides(args))
+                          progress=lambda s: print(s, flush=True), quota_workloads=quota, tier_workloads=tiers,
+                          **_engine_overrides(args))
     command = "fairshare sim report " + " ".join(argv)
     files = write_report(bench, Path(args.out), Path(args.img_dir), command.strip())
     print()

@@ -7,7 +7,8 @@
                  [--model smollm2] [--state-dir DIR] [--verbose]
                  [--restart-limit 3] [--restart-window-s 60]
                  [worker and gateway flags: --policy, --max-model-len, --served-model-name / --model-name,
-                  --max-running, --kv-quota, --kv-soft-quota, ..., --lease-ttl-s, ...]
+                  --max-running, --tier-min-share, --iteration-token-target, --kv-quota, --kv-soft-quota, ...,
+                  --lease-ttl-s, ...]
 
 What it does, in order:
 

@@ -29,6 +29,8 @@ PASS_THROUGH: tuple[tuple[str, tuple[str, ...]], ...] = (
     # scheduling
     ("--policy", (WORKER,)),
     ("--tier-min-share", (WORKER,)),
+    ("--tier-scheduling", (WORKER,)),
+    ("--iteration-token-target", (WORKER,)),
     ("--max-running", (WORKER,)),
     ("--max-num-batched-tokens", (WORKER,)),
     ("--alpha", (WORKER,)),

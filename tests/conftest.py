@@ -85,13 +85,14 @@ def start_worker(*extra: str, model: str = "random-tiny", policy: str = "vtc", p
     return proc, f"127.0.0.1:{port}"
 
 
-def stop_worker(proc: subprocess.Popen) -> None:
+def stop_worker(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM a worker started by `start_worker`, SIGKILL it if it has not exited after timeout_s."""
     proc.terminate()
     try:
-        proc.wait(15)
+        proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait(15)
+        proc.wait(timeout_s)
 
 
 @pytest.fixture(scope="session")

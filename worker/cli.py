@@ -7,12 +7,19 @@
                      [--alpha 1 --beta 2] [--device cpu|cuda] [--threads N] [--cache-dir DIR]
                      [--metrics-port 0] [--metrics-host HOST] [--metrics-max-tenants 64]
                      [--otel-exporter none|console|otlp]
+                     [--tier-min-share TIER=FRAC ...] [--no-tier-scheduling] [--iteration-token-target N]
                      [--kv-quota | --no-kv-quota] [--kv-watermark 0.8] [--kv-headroom 0.05]
                      [--kv-shared-buffer 0] [--kv-hard-cap 1.0]
                      [--kv-soft-quota KEY=FRAC ...] [--kv-hard-cap-for KEY=FRAC ...]
                      [--no-prefix-cache] [--public-prefix-file PATH] [--ttft-floor TIER=SECONDS ...]
                      [--cached-rate 0] [--unsafe-global-cache]
 
+Tiers (docs/fairness.md, "Tiers"): strict priority interactive > batch > background, each lower tier
+keeping a minimum share of service (`--tier-min-share batch=0.05 --tier-min-share background=0.05`, the
+defaults); `--no-tier-scheduling` schedules every tenant in one tier (tiers are still reported).
+`--iteration-token-target N`: an iteration with more than one tenant's work computes about N tokens,
+shared by tier and weight (default: the token budget, so nothing changes; docs/fairness.md, "When
+nobody queues").
 `--kv-quota` turns on per-tenant KV quotas (default off; docs/memory-isolation.md): fractions are of
 the KV pool; KEY is a tenant id or a tier (interactive, batch, background), a tenant id winning over
 its tier. The tuning flags need `--kv-quota`.
@@ -86,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--otel-exporter", choices=["none", "console", "otlp"], default=None,
                    help="where traces go: none, console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT); "
                         "default $FAIRSHARE_OTEL_EXPORTER or none")
+    add_tier_arguments(p)
     add_kv_quota_arguments(p)
     add_cache_arguments(p)
     add_reliability_arguments(p)
@@ -133,6 +141,62 @@ def make_verifier(args: argparse.Namespace):
               "turns authentication off (unsafe)", file=sys.stderr)
         raise SystemExit(1)
     return worker_auth.Verifier(source)
+
+
+# ---- tier flags (docs/fairness.md, "Tiers"; EngineConfig.tier_*) ------------------------------------
+def _tier_share(text: str) -> tuple[str, float]:
+    """argparse type for TIER=FRAC: a lower tier (batch, background) and its minimum share of service."""
+    from worker.scheduling.tiers import validate_min_shares
+
+    tier, sep, value = text.partition("=")
+    tier = tier.strip()
+    try:
+        share = float(value)
+    except ValueError:
+        share = None
+    if not sep or not tier or share is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not TIER=FRAC (TIER: batch or background, FRAC in [0, 1))")
+    try:
+        validate_min_shares({tier: share})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return tier, share
+
+
+def add_tier_arguments(p: argparse.ArgumentParser) -> None:
+    """The tier and decode-target flags of `fairshare worker` (see `tier_settings`)."""
+    g = p.add_argument_group("tiers", "strict priority interactive > batch > background with a minimum share of "
+                                      "service per lower tier (docs/fairness.md)")
+    g.add_argument("--tier-min-share", type=_tier_share, action="append", default=None, metavar="TIER=FRAC",
+                   help="minimum share of service of a lower tier (repeatable; default batch=0.05 background=0.05)")
+    g.add_argument("--tier-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="strict priority across tiers (default on; --no-tier-scheduling: every tenant in one tier)")
+    g.add_argument("--iteration-token-target", type=_positive(int), default=None, metavar="N",
+                   help="tokens per iteration with more than one tenant's work, shared by tier and weight "
+                        "(default: --max-num-batched-tokens, i.e. nothing changes)")
+
+
+def tier_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the tier flags. Calls `p.error` (exit 2, one line) when a tier is given
+    twice, the shares sum to 1 or more, or --tier-min-share comes with --no-tier-scheduling."""
+    from worker.scheduling.tiers import validate_min_shares
+
+    shares: dict[str, float] = {}
+    for tier, share in args.tier_min_share or []:
+        if tier in shares:
+            p.error(f"--tier-min-share: {tier!r} given twice")
+        shares[tier] = share
+    if shares and not args.tier_scheduling:
+        p.error("--tier-min-share needs tier scheduling (it was turned off with --no-tier-scheduling)")
+    try:
+        validate_min_shares(shares)
+    except ValueError as exc:
+        p.error(f"--tier-min-share: {exc}")
+    return {"tier_scheduling": bool(args.tier_scheduling), "tier_min_shares": shares,
+            "iteration_token_target": args.iteration_token_target}
+# ---- end of tier flags ---------------------------------------------------------------------------------
+
+
 # ---- model names (also used by worker/sglang_server.py) ---------------------------------------------
 def add_served_name_arguments(p: argparse.ArgumentParser) -> None:
     """`--served-model-name A [B ...]` (the names clients use, as in vLLM; the first is the primary one,
@@ -250,6 +314,7 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     kv_quota = kv_quota_settings(parser, args)
+    tiers = tier_settings(parser, args)
     names = served_names(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
@@ -275,7 +340,7 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
     config = EngineConfig(policy=args.policy, alpha=args.alpha, beta=args.beta,
                           max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
-                          max_model_len=args.max_model_len, device=args.device, **kv_quota,
+                          max_model_len=args.max_model_len, device=args.device, **kv_quota, **tiers,
                           fault_limit=args.engine_fault_limit, fault_window_s=args.engine_fault_window_s,
                           **cache_settings(parser, args, model.tokenizer, model.config.vocab_size))
     engine = Engine(model, config)

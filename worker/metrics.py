@@ -3,10 +3,12 @@
 Two sources:
 
 - `EngineCollector` reads `Engine.snapshot()` at scrape time (no engine changes, no per-step cost):
-  scheduler and KV-pool load, and per tenant the charged service, the VTC virtual counter, queue
-  lengths, KV blocks, tokens, finished requests and preemptions; preemptions by reason (out-of-blocks,
-  reclaim); with KV quotas on (``--kv-quota``), per tenant the soft quota and hard cap in blocks,
-  whether it is over its soft quota, and the iterations it waited on its quota.
+  scheduler and KV-pool load; per tier (interactive, batch, background) the charged service, its
+  share, the minimum share, the deficit, blocked iterations, queue lengths and preemptions; per
+  tenant the charged service, the VTC virtual counter, queue lengths, KV blocks, tokens, finished
+  requests and preemptions; preemptions by reason (out-of-blocks, reclaim, tier, returning); with
+  KV quotas on (``--kv-quota``), per tenant the soft quota and hard cap in blocks, whether it is
+  over its soft quota, and the iterations it waited on its quota.
 - `WorkerMetrics.observe_*`, called by the gRPC servicer as outputs stream: per-tenant TTFT, ITL and
   queue-time histograms, finished requests by reason, prompt and cached prompt tokens (cache hits);
   calls refused as UNAUTHENTICATED, by reason (fairshare/worker_auth.py).
@@ -134,15 +136,22 @@ class EngineCollector:
         yield g("fairshare_worker_kv_quota_enabled", "1 when per-tenant KV quotas are on (--kv-quota)",
                 value=1 if quota_on else 0)
         preempt = CounterMetricFamily("fairshare_worker_preemptions", "Preemptions (recompute), by reason: "
-                                      "out-of-blocks (a decode or a stalled prefill found no free block) or "
-                                      "reclaim (KV quotas: made room for a within-quota tenant)", labels=["reason"])
-        reclaim = snap.get("reclaim_preemptions", 0)
-        returning = snap.get("returning_preemptions")  # once the engine reports them (a returning tenant's slot)
-        preempt.add_metric(["out-of-blocks"], max(0, snap.get("preemptions", 0) - reclaim - (returning or 0)))
-        preempt.add_metric(["reclaim"], reclaim)
-        if returning is not None:
-            preempt.add_metric(["returning"], returning)
+                                      "out-of-blocks (a decode or a stalled prefill found no free block), "
+                                      "reclaim (KV quotas: made room for a within-quota tenant), tier (made room "
+                                      "for a higher tier's request) or returning (a returning tenant's slot share)",
+                                      labels=["reason"])
+        by_reason = snap.get("preemptions_by_reason")
+        if by_reason is None:  # an engine that reports only the totals
+            reclaim = snap.get("reclaim_preemptions", 0)
+            returning = snap.get("returning_preemptions")
+            by_reason = {"out-of-blocks": max(0, snap.get("preemptions", 0) - reclaim - (returning or 0)),
+                         "reclaim": reclaim}
+            if returning is not None:
+                by_reason["returning"] = returning
+        for reason, n in by_reason.items():
+            preempt.add_metric([reason], n)
         yield preempt
+        yield from _tier_families(snap.get("tiers", {}))
         yield g("fairshare_worker_prefix_cache_blocks", "KV blocks held by the radix prefix cache (evictable "
                 "ones included)", value=snap.get("cache_blocks", 0))
         yield g("fairshare_worker_prefix_cache_public_blocks", "Of those, blocks of operator-listed public "
@@ -189,6 +198,34 @@ class FaultCollector:
         yield GaugeMetricFamily("fairshare_worker_engine_failed", "1 once repeated engine faults failed the "
                                 "engine: health NOT_SERVING until the process restarts",
                                 value=1 if self.faults.tripped else 0)
+
+
+# per-tier snapshot fields (worker/scheduling/core.py, SchedulingCore.tier_snapshot)
+_TIER_FIELDS = (
+    ("fairshare_worker_tier_charged_service_units", "Service units charged to the tier's tenants", "counter",
+     "service"),
+    ("fairshare_worker_tier_service_share", "The tier's share of all service charged so far", "gauge",
+     "service_share"),
+    ("fairshare_worker_tier_min_share", "The tier's configured minimum share of service (0 for interactive)",
+     "gauge", "min_share"),
+    ("fairshare_worker_tier_deficit_units", "Service units the tier is owed now (> 0: served before higher tiers)",
+     "gauge", "deficit"),
+    ("fairshare_worker_tier_blocked_iterations", "Iterations the tier was owed service but nothing of it could be "
+     "served (no free slot or KV room)", "counter", "blocked_iterations"),
+    ("fairshare_worker_tier_waiting_requests", "Requests of the tier waiting to be scheduled", "gauge", "waiting"),
+    ("fairshare_worker_tier_running_requests", "Requests of the tier in the running batch", "gauge", "running"),
+    ("fairshare_worker_tier_preemptions", "Preemptions (recompute) of the tier's requests", "counter",
+     "preemptions"),
+)
+
+
+def _tier_families(tiers: dict):
+    """Metric families with a `tier` label from the engine snapshot's `tiers` table."""
+    for name, doc, kind, key in _TIER_FIELDS:
+        fam = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, doc, labels=["tier"])
+        for tier, row in tiers.items():
+            fam.add_metric([tier], float(row.get(key, 0)))
+        yield fam
 
 
 class WorkerMetrics:

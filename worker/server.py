@@ -108,6 +108,11 @@ def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
         msg.timings.queued_s = out.queued_s
     if out.first_token_s is not None:
         msg.timings.first_token_s = out.first_token_s
+    if out.queued_iterations is not None:
+        msg.timings.queued_iterations = out.queued_iterations
+    if out.first_token_iterations is not None:
+        msg.timings.first_token_iterations = out.first_token_iterations
+    msg.timings.iteration = out.iteration
     for tok, lp, top in out.logprobs:
         entry = msg.logprobs.add(token_id=tok, logprob=lp)
         for alt, alt_lp in top:
@@ -248,7 +253,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_blocks_total=snap["kv_blocks_total"], kv_block_size=snap["kv_block_size"], policy=snap["policy"],
             iterations=snap["iterations"], draining=self.draining, inflight_tokens=snap["inflight_tokens"],
             kv_quota_enabled=snap["kv_quota"], reclaim_preemptions=snap["reclaim_preemptions"],
+            tier_scheduling=snap.get("tier_scheduling", False),
+            tier_preemptions=snap.get("preemptions_by_reason", {}).get("tier", 0),
+            returning_preemptions=snap.get("returning_preemptions", 0),
+            iteration_token_target=snap.get("iteration_token_target", 0),
         )
+        for tier, t in snap.get("tiers", {}).items():
+            load.tiers.add(tier=TIER_ENUMS.get(tier, 0), charged_service=t["service"], service_share=t["service_share"],
+                           min_share=t["min_share"], deficit=t["deficit"], backlogged=t["backlogged"],
+                           blocked_iterations=t["blocked_iterations"], waiting=t["waiting"], running=t["running"],
+                           preemptions=t["preemptions"])
         for t in snap["tenants"]:
             load.tenants.add(
                 tenant_id=t["tenant_id"], weight=t["weight"], tier=TIER_ENUMS.get(t["tier"], 0),
@@ -258,7 +272,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 preemptions=t["preemptions"], quota_waits=t.get("quota_waits", 0),
                 # KV quotas: 0 / false when the worker runs without them (Load.kv_quota_enabled)
                 kv_soft_quota_blocks=t.get("kv_soft_quota_blocks", 0), kv_hard_cap_blocks=t.get("kv_hard_cap_blocks", 0),
-                kv_over_quota=t.get("kv_over_quota", False),
+                kv_over_quota=t.get("kv_over_quota", False), backlogged=t.get("backlogged", False),
             )
         _fill_cache_load(load, snap)
         return load

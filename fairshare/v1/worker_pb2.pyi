@@ -106,12 +106,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queued_s", "first_token_s")
+    __slots__ = ("queued_s", "first_token_s", "queued_iterations", "first_token_iterations", "iteration")
     QUEUED_S_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
     queued_s: float
     first_token_s: float
-    def __init__(self, queued_s: _Optional[float] = ..., first_token_s: _Optional[float] = ...) -> None: ...
+    queued_iterations: int
+    first_token_iterations: int
+    iteration: int
+    def __init__(self, queued_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., queued_iterations: _Optional[int] = ..., first_token_iterations: _Optional[int] = ..., iteration: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -190,7 +196,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TenantLoad(_message.Message):
-    __slots__ = ("tenant_id", "weight", "tier", "virtual_counter", "charged_service", "prompt_tokens", "output_tokens", "waiting", "running", "kv_blocks", "finished", "preemptions", "kv_soft_quota_blocks", "kv_hard_cap_blocks", "kv_over_quota", "quota_waits", "cache_blocks", "cached_prompt_tokens")
+    __slots__ = ("tenant_id", "weight", "tier", "virtual_counter", "charged_service", "prompt_tokens", "output_tokens", "waiting", "running", "kv_blocks", "finished", "preemptions", "kv_soft_quota_blocks", "kv_hard_cap_blocks", "kv_over_quota", "quota_waits", "cache_blocks", "cached_prompt_tokens", "backlogged")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +215,7 @@ class TenantLoad(_message.Message):
     QUOTA_WAITS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKLOGGED_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     weight: float
     tier: Tier
@@ -227,10 +234,35 @@ class TenantLoad(_message.Message):
     quota_waits: int
     cache_blocks: int
     cached_prompt_tokens: int
-    def __init__(self, tenant_id: _Optional[str] = ..., weight: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ..., virtual_counter: _Optional[float] = ..., charged_service: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., finished: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_soft_quota_blocks: _Optional[int] = ..., kv_hard_cap_blocks: _Optional[int] = ..., kv_over_quota: _Optional[bool] = ..., quota_waits: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    backlogged: bool
+    def __init__(self, tenant_id: _Optional[str] = ..., weight: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ..., virtual_counter: _Optional[float] = ..., charged_service: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., finished: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_soft_quota_blocks: _Optional[int] = ..., kv_hard_cap_blocks: _Optional[int] = ..., kv_over_quota: _Optional[bool] = ..., quota_waits: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., backlogged: _Optional[bool] = ...) -> None: ...
+
+class TierLoad(_message.Message):
+    __slots__ = ("tier", "charged_service", "service_share", "min_share", "deficit", "backlogged", "blocked_iterations", "waiting", "running", "preemptions")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CHARGED_SERVICE_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_SHARE_FIELD_NUMBER: _ClassVar[int]
+    MIN_SHARE_FIELD_NUMBER: _ClassVar[int]
+    DEFICIT_FIELD_NUMBER: _ClassVar[int]
+    BACKLOGGED_FIELD_NUMBER: _ClassVar[int]
+    BLOCKED_ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    charged_service: float
+    service_share: float
+    min_share: float
+    deficit: float
+    backlogged: bool
+    blocked_iterations: int
+    waiting: int
+    running: int
+    preemptions: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., charged_service: _Optional[float] = ..., service_share: _Optional[float] = ..., min_share: _Optional[float] = ..., deficit: _Optional[float] = ..., backlogged: _Optional[bool] = ..., blocked_iterations: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "tenants", "policy", "iterations", "draining", "inflight_tokens", "kv_quota_enabled", "reclaim_preemptions", "cache_blocks", "cache_public_blocks", "cache_hit_tokens", "cache_lookup_tokens")
+    __slots__ = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "tenants", "policy", "iterations", "draining", "inflight_tokens", "kv_quota_enabled", "reclaim_preemptions", "cache_blocks", "cache_public_blocks", "cache_hit_tokens", "cache_lookup_tokens", "tiers", "tier_scheduling", "tier_preemptions", "returning_preemptions", "iteration_token_target")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -247,6 +279,11 @@ class Load(_message.Message):
     CACHE_PUBLIC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    TIER_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    TIER_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RETURNING_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_TOKEN_TARGET_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_used: int
@@ -263,4 +300,9 @@ class Load(_message.Message):
     cache_public_blocks: int
     cache_hit_tokens: int
     cache_lookup_tokens: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ..., policy: _Optional[str] = ..., iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., inflight_tokens: _Optional[int] = ..., kv_quota_enabled: _Optional[bool] = ..., reclaim_preemptions: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cache_public_blocks: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_lookup_tokens: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierLoad]
+    tier_scheduling: bool
+    tier_preemptions: int
+    returning_preemptions: int
+    iteration_token_target: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ..., policy: _Optional[str] = ..., iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., inflight_tokens: _Optional[int] = ..., kv_quota_enabled: _Optional[bool] = ..., reclaim_preemptions: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cache_public_blocks: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_lookup_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierLoad, _Mapping]]] = ..., tier_scheduling: _Optional[bool] = ..., tier_preemptions: _Optional[int] = ..., returning_preemptions: _Optional[int] = ..., iteration_token_target: _Optional[int] = ...) -> None: ...

@@ -26,7 +26,8 @@ REFERENCE_CAPACITY_RPS = 2.0
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request: arrival (s), token counts, and when the client cancels it (None = never)."""
+    """One request: arrival (s), token counts, when the client cancels it (None = never), and the
+    tenant's tier (interactive, batch or background)."""
 
     request_id: str
     tenant_id: str
@@ -35,6 +36,7 @@ class RequestSpec:
     prompt_tokens: int
     output_tokens: int
     cancel_at_s: float | None = None
+    tier: str = "interactive"
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class TenantLoad:
     start_s / stop_s: when the tenant sends (stop None = until the end). on_off_s: (on, off)
     seconds, on first. rate_end: ramp the rate linearly from `rate` to `rate_end` over
     [start_s, stop_s]. cancel_fraction: share of requests the client cancels, `cancel_after_s`
-    after their arrival.
+    after their arrival. tier: the tenant's tier (interactive, batch, background).
     """
 
     tenant_id: str
@@ -63,6 +65,7 @@ class TenantLoad:
     rate_end: float | None = None
     cancel_fraction: float = 0.0
     cancel_after_s: float = 2.0
+    tier: str = "interactive"
 
     def _length(self, spec, rng: random.Random) -> int:
         return int(spec) if isinstance(spec, int) else rng.randint(int(spec[0]), int(spec[1]))
@@ -106,7 +109,7 @@ class TenantLoad:
                 cancel = self.cancel_after_s if rng.random() < self.cancel_fraction else None
                 out.append(RequestSpec(f"{self.tenant_id}-{n}", self.tenant_id, self.weight, t,
                                        self._length(self.prompt_tokens, rng), self._length(self.output_tokens, rng),
-                                       None if cancel is None else t + cancel))
+                                       None if cancel is None else t + cancel, self.tier))
         return out
 
 
@@ -135,6 +138,9 @@ class Workload:
     def weights(self) -> dict[str, float]:
         return {t.tenant_id: t.weight for t in self.tenants}
 
+    def tiers(self) -> dict[str, str]:
+        return {t.tenant_id: t.tier for t in self.tenants}
+
     def only(self, tenant_id: str) -> "Workload":
         """The same workload with one tenant alone (for solo baselines). Raises KeyError."""
         keep = tuple(t for t in self.tenants if t.tenant_id == tenant_id)
@@ -156,10 +162,10 @@ def _registry() -> dict[str, Workload]:
 def get_workload(name: str) -> Workload:
     """A workload by name (the fairness benchmark's, or an extra one such as `memory-flood`).
     Raises KeyError listing the known names."""
-    from loadtests.workloads import memory
+    from loadtests.workloads import memory, tiers
 
     reg = _registry()
-    reg.update({w.name: w for w in memory.WORKLOADS})
+    reg.update({w.name: w for w in memory.WORKLOADS + tiers.WORKLOADS})
     if name not in reg:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(reg)}")
     return reg[name]
@@ -168,6 +174,14 @@ def get_workload(name: str) -> Workload:
 def all_workloads() -> list[Workload]:
     """The fairness benchmark's workloads (every policy side by side in `fairshare sim report`)."""
     return list(_registry().values())
+
+
+def tier_workloads() -> list[Workload]:
+    """The priority-tier workloads (loadtests/workloads/tiers.py): `fairshare sim report` runs each under
+    tier-aware VTC, tier-blind VTC and FCFS, side by side, in a section of its own."""
+    from loadtests.workloads import tiers
+
+    return list(tiers.WORKLOADS)
 
 
 def quota_workloads() -> list[Workload]:

@@ -474,10 +474,10 @@ def test_service_monitor_is_optional_and_scrapes_the_metrics_ports(helm):
 
 @pytest.mark.parametrize("value_set", GPU_SETS)
 def test_sglang_workers_get_no_reference_only_flags(helm, value_set):
-    """The SGLang worker has no --metrics-port or --kv-* flags: the chart passes none, scrapes none."""
+    """The SGLang worker has no --metrics-port, --kv-* or tier flags: the chart passes none, scrapes none."""
     docs = helm.render(VALUE_SETS[value_set], ("serviceMonitor.enabled=true",))
     worker = container(one(docs, "StatefulSet", "worker"), "worker")
-    assert not [a for a in worker["args"] if a.startswith("--metrics") or a.startswith("--kv-")]
+    assert not [a for a in worker["args"] if a.startswith(("--metrics", "--kv-", "--tier-", "--iteration-token"))]
     assert "metrics" not in {p["name"] for p in worker["ports"]}
     assert [sm["metadata"]["labels"]["app.kubernetes.io/component"] for sm in of_kind(docs, "ServiceMonitor")] == ["gateway"]
     res = helm.template(VALUE_SETS[value_set], ("worker.kvQuota.enabled=true",))
@@ -504,6 +504,27 @@ def test_kv_quota_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
                                            "worker.kvQuota.softQuotas.batch=0.2")), "StatefulSet", "worker"), "worker")["args"]
     settings = kv_quota_settings(parser, parser.parse_args(args))
     assert settings["kv_watermark"] == 0.7 and settings["kv_soft_quotas"] == {"batch": 0.2}
+
+
+def test_tier_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
+    from worker.cli import build_parser, tier_settings
+
+    parser = build_parser()
+    args = container(one(helm.render(), "StatefulSet", "worker"), "worker")["args"]
+    assert tier_settings(parser, parser.parse_args(args)) == {  # the defaults, spelled out
+        "tier_scheduling": True, "tier_min_shares": {"batch": 0.05, "background": 0.05}, "iteration_token_target": None}
+    f = tmp_path / "tiers.yaml"
+    f.write_text(yaml.safe_dump({"worker": {"tiers": {"minShares": {"batch": 0.1, "background": 0.02}},
+                                            "iterationTokenTarget": 32}}))
+    args = container(one(helm.render((str(f),)), "StatefulSet", "worker"), "worker")["args"]
+    assert tier_settings(parser, parser.parse_args(args)) == {
+        "tier_scheduling": True, "tier_min_shares": {"batch": 0.1, "background": 0.02}, "iteration_token_target": 32}
+    args = container(one(helm.render(sets=("worker.tiers.enabled=false", "worker.iterationTokenTarget=0")),
+                         "StatefulSet", "worker"), "worker")["args"]
+    assert "--no-tier-scheduling" in args and "--iteration-token-target" not in args
+    assert tier_settings(parser, parser.parse_args(args))["tier_scheduling"] is False
+    res = helm.template(sets=("worker.tiers.minShares.background=1.5",))
+    assert res.returncode != 0 and "minShares" in res.stderr
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)

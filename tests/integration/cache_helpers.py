@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from contextlib import contextmanager
 
 import grpc
 
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
-from tests.conftest import start_worker
+from tests.conftest import start_worker, stop_worker
 
 MODEL = "random-tiny"
 SECRET = "ci-cache-secret-0123456789abcdef"
@@ -36,11 +35,7 @@ def cache_worker(tmp_path, *extra: str, secret: str = SECRET):
     try:
         yield addr
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_worker(proc)
 
 
 def get_load(addr: str) -> pb.Load:

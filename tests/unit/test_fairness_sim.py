@@ -17,6 +17,9 @@ from worker.sim.runner import IterationTimeModel, SimItem, SimulatedRunner, Virt
 MATPLOTLIB_HINT = "pip install -e '.[loadtest]' (make install does)"
 
 TIME = IterationTimeModel(a=0.02, b=1e-4, c=5e-4, d=5e-6, source="test")
+# the report's CPU profile (loadtests/profiles/cpu-random-tiny.json), fixed here so that the test does
+# not move when the profile is re-measured
+CPU_TIME = IterationTimeModel(a=0.011567, b=152.34e-6, c=570.17e-6, d=5725.54e-9, source="test (cpu profile)")
 
 
 def short(name: str, seconds: float = 40.0) -> Workload:
@@ -148,3 +151,41 @@ def test_sim_run_with_kv_quotas(capsys):
     assert "per-tenant KV quotas: on" in out and "victim" in out
     assert main(["run", "memory-flood", "--rate-scale", "1"]) == 0
     assert "KV quotas" not in capsys.readouterr().out
+
+
+def test_report_has_the_tiers_section_side_by_side(tmp_path):
+    """The tiers section (worker/sim/tier_report.py) at the report's own rate scale: the interactive
+    tenant beside a background flood. With tiers and the iteration target its TTFT p99 stays within
+    1.5x its solo p99; every tier-aware run leaves the background at least its minimum share; FCFS
+    queues the interactive tenant behind the flood."""
+    require_module("matplotlib", MATPLOTLIB_HINT)
+    from worker.sim.report import benchmark_lines, run_benchmark, write_report
+    from worker.sim.tier_report import RATIO_GOAL
+
+    tiers = get_workload("tiers")
+    bench = run_benchmark([short("overload", 30.0)], ["vtc", "fcfs"], CPU_TIME, rate_scale=0.6261,
+                          tier_workloads=[tiers])
+    (w, rows), = bench.tiers
+    by = {r["run"]: r for r in rows}
+    assert rows[0]["run"].startswith("solo") and rows[0]["ratio"] == 1.0
+    latency = rows[2]
+    assert latency["target"] and latency["ratio"] <= RATIO_GOAL
+    assert all(r["bg_share"] >= r["min_share"] > 0 for r in rows[1:3])
+    assert by["FCFS, tier-blind"]["ratio"] > 10 * latency["ratio"]
+    lines = benchmark_lines(bench)
+    assert any(line.startswith("CHECK tiers: interactive TTFT p99") and line.endswith("PASS") for line in lines)
+    write_report(bench, tmp_path / "r.md", tmp_path / "img")
+    text = (tmp_path / "r.md").read_text()
+    assert "## tiers: priority tiers" in text and "| VTC, tier-blind |" in text
+
+
+def test_tiers_serve_an_interactive_tenant_above_its_weight_share_first():
+    """tiers-heavy: the interactive tenant sends 70 % of capacity. Tier-blind VTC gives it half and
+    queues the rest; with tiers it is served first (its TTFT p99 an order of magnitude lower) and the
+    flood still gets at least its minimum share."""
+    from worker.sim.tier_report import compare
+
+    rows = {r["run"]: r for r in compare("tiers-heavy", CPU_TIME, rate_scale=0.6261)}
+    tiers, blind = rows["VTC, tiers"], rows["VTC, tier-blind"]
+    assert tiers["ttft_p99"] * 10 < blind["ttft_p99"]
+    assert tiers["bg_share"] >= tiers["min_share"] and blind["bg_share"] >= 0.45

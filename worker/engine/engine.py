@@ -36,6 +36,7 @@ from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S, FaultWindow
 from worker.scheduling.cost import make_cost
 from worker.scheduling.policy import make_policy
+from worker.scheduling.tiers import TierShares
 
 log = logging.getLogger("fairshare.engine")
 
@@ -53,6 +54,11 @@ class EngineConfig:
     kv_cache_mb). max_model_len: context limit (None: the model's).
     returning_preemption: a tenant returning below its slot share gets a running slot at once,
     preempting an over-share tenant (worker/scheduling/returning.py; never under FCFS).
+    tier_scheduling: strict priority across tiers with minimum shares (False: tier-blind, every
+    tenant in one tier; worker/scheduling/tiers.py). tier_min_shares: lower tier -> minimum share
+    of service (missing tiers: 5 %). iteration_token_target: tokens per contended iteration beyond
+    which they are shared by tier and weight (None: the token budget, so nothing changes;
+    worker/scheduling/decode_share.py).
     kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
     fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
     admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
@@ -86,6 +92,9 @@ class EngineConfig:
     max_model_len: int | None = None
     device: str = "cpu"
     returning_preemption: bool = True
+    tier_scheduling: bool = True
+    tier_min_shares: dict = field(default_factory=dict)
+    iteration_token_target: int | None = None
     kv_quota: bool = False
     kv_watermark: float = 0.8
     kv_headroom: float = 0.05
@@ -113,9 +122,12 @@ class RequestOutput:
     token_ids: tokens committed since the last output. text_delta: complete UTF-8 text since the
     last output. finish_reason: set once, on the last output. queued_s / first_token_s: seconds
     from arrival at the worker to first scheduling / first output token. error: set when the
-    engine failed the request (then finish_reason is ABORT). logprobs: with
-    `SamplingParams.logprobs`, one (token id, logprob, [(id, logprob), ...top]) per token in
-    token_ids (worker/engine/sampler.py).
+    engine failed the request (then finish_reason is ABORT). queued_iterations /
+    first_token_iterations: the same in engine iterations (how many iterations started after the
+    request reached the engine until it was first scheduled / its first token committed).
+    iteration: the engine iteration (counted as `snapshot()["iterations"]`) whose step produced it.
+    logprobs: with `SamplingParams.logprobs`, one (token id, logprob, [(id, logprob), ...top]) per
+    token in token_ids (worker/engine/sampler.py).
     """
 
     request_id: str
@@ -127,6 +139,9 @@ class RequestOutput:
     cached_tokens: int = 0
     queued_s: float | None = None
     first_token_s: float | None = None
+    queued_iterations: int | None = None
+    first_token_iterations: int | None = None
+    iteration: int = 0
     error: str | None = None
     logprobs: list = field(default_factory=list)
 
@@ -178,10 +193,13 @@ class Engine:
         options = {"quantum": cfg.drr_quantum} if cfg.policy == "drr" else {}
         self.policy = make_policy(cfg.policy, self.cost, **options)
         self.quota = KVQuota(cfg.quota_config(), runner.num_kv_blocks) if cfg.kv_quota else None
+        self.tiers = TierShares(cfg.tier_min_shares, floor_units=self.cost.max_prefill_rate * cfg.max_num_batched_tokens / 2,
+                                enabled=cfg.tier_scheduling)
         self.scheduler = Scheduler(self.policy, self.cost, self.block_manager, cfg.max_num_batched_tokens,
                                    cfg.max_running, prefill_slice=cfg.prefill_slice, max_skips=cfg.max_skips,
                                    clock=self.clock, quota=self.quota,
-                                   returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs")
+                                   returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
+                                   tiers=self.tiers, iteration_token_target=cfg.iteration_token_target)
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
         pool_tokens = runner.num_kv_blocks * runner.block_size
@@ -308,6 +326,7 @@ class Engine:
             inbox, self._inbox = self._inbox, []
         for kind, item in inbox:
             if kind == "add":
+                item.arrival_iteration = self.scheduler.core.iteration
                 self._prepare(item)
                 if self.cache is not None:
                     self.cache.set_weight(item.tenant_id, item.weight)  # its share of the cache
@@ -478,6 +497,7 @@ class Engine:
             self.recorder.on_token(seq.request_id, now, units)
         if seq.first_token_time is None:
             seq.first_token_time = now
+            seq.first_token_iteration = self.scheduler.core.iteration
         reason = None
         params = seq.sampling
         done_grammar = False  # the grammar is complete (it accepted an end-of-sequence token)
@@ -565,7 +585,11 @@ class Engine:
             cached_tokens=seq.num_cached_tokens,
             queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
             first_token_s=None if seq.first_token_time is None else self._first_token_s(seq),
-            error=error, logprobs=new_logprobs,
+            queued_iterations=None if seq.first_scheduled_iteration is None
+            else seq.first_scheduled_iteration - seq.arrival_iteration,
+            first_token_iterations=None if seq.first_token_iteration is None
+            else seq.first_token_iteration - seq.arrival_iteration,
+            iteration=self.scheduler.core.iteration, error=error, logprobs=new_logprobs,
         )
         if final:
             with self._lock:
@@ -631,11 +655,13 @@ class Engine:
                 "finished": self.scheduler.finished_by_tenant.get(tid, 0),
                 "preemptions": self.scheduler.preemptions_by_tenant.get(tid, 0),
                 "quota_waits": self.scheduler.quota_waits.get(tid, 0),
+                "backlogged": acct.backlogged,
             })
             if self.quota is not None:
                 tenants[-1].update(self.quota.state(tid, c["kv_blocks"]))
         inflight = sum(len(s.prompt_token_ids) + s.max_tokens - len(s.output_token_ids)
                        for s in list(self.scheduler.by_id.values()))
+        core = self.scheduler.core
         return {
             "waiting": self.scheduler.num_waiting(), "running": len(self.scheduler.running),
             "kv_blocks_used": self.block_manager.num_used, "kv_blocks_total": self.block_manager.num_blocks,
@@ -643,7 +669,10 @@ class Engine:
             "iterations": self.scheduler.stats.iterations, "inflight_tokens": inflight,
             "kv_quota": self.quota is not None, "preemptions": self.scheduler.stats.preemptions,
             "reclaim_preemptions": self.scheduler.reclaim_preemptions,
-            "returning_preemptions": getattr(self.scheduler.returning, "preemptions", 0),
+            "returning_preemptions": core.stats.preemptions["returning"],
+            "preemptions_by_reason": dict(core.stats.preemptions),
+            "tier_scheduling": self.tiers.enabled, "tiers": core.tier_snapshot(),
+            "iteration_token_target": core.iteration_token_target,
         }
 
 

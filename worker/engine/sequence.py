@@ -100,6 +100,9 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    arrival_iteration: int = 0            # engine iterations started before it reached the engine
+    first_scheduled_iteration: int | None = None
+    first_token_iteration: int | None = None
     finish_time: float | None = None
     detokenizer: object | None = None
     generator: object | None = None

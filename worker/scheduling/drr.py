@@ -13,7 +13,7 @@ Adapted to iteration-level LLM scheduling:
 - a visit adds `quantum · weight` service units (weighted DRR); a tenant keeps the pointer while
   its deficit is positive, then the pointer moves on;
 - a tenant that is backlogged but cannot be served at the moment (its head does not fit memory or
-  no running slot is free) still takes part in the rounds and banks its quanta, as a backlogged DRR
+  no running slot is free) still takes part in the rounds of its tier and banks its quanta, as a backlogged DRR
   flow whose head packet exceeds its deficit does, so it catches up once its head fits (as a VTC
   counter that did not move while it waited);
 - when a tenant goes idle its positive deficit is dropped (no credit for idling), its debt kept;
@@ -25,7 +25,7 @@ Ring order is the order in which tenants first arrived, so decisions are determi
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from worker.scheduling.cost import CostFunction
 from worker.scheduling.policy import SchedulingPolicy, TenantAccount
@@ -86,9 +86,11 @@ class DRRPolicy(SchedulingPolicy):
         unknown = cands.difference(self.deficit)
         if unknown:
             raise KeyError(f"unknown tenants {sorted(unknown)}")
-        # Backlogged tenants that cannot be served right now (memory, running slots) still take
-        # part in the rounds, as DRR flows with queued packets do.
-        active = cands | {t for t, a in self.accounts.items() if a.backlogged}
+        # Backlogged tenants of the candidates' tier(s) that cannot be served right now (memory,
+        # running slots) still take part in the rounds, as DRR flows with queued packets do; tenants
+        # of other tiers do not (tiers are ordered by worker.scheduling.tiers, not by DRR rounds).
+        tiers = {self.accounts[t].tier for t in cands}
+        active = cands | {t for t, a in self.accounts.items() if a.backlogged and a.tier in tiers}
         ring = self._ring
         self._ptr %= len(ring)
         while True:
@@ -108,10 +110,60 @@ class DRRPolicy(SchedulingPolicy):
                     self._grant(t, rounds - 1)
 
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
-        """Ring order starting at the pointer (does not grant quanta)."""
+        """Ring order starting at the pointer (does not grant quanta). The order in which DRR would
+        serve queued requests is `project`, not this list taken tenant by tenant."""
         cands = set(tenant_ids)
         n = len(self._ring)
         return [self._ring[(self._ptr + i) % n] for i in range(n) if self._ring[(self._ptr + i) % n] in cands]
+
+    def project(self, costs: dict[str, list[float]]) -> Iterator[tuple[str, int]]:
+        """The order in which DRR's rounds would serve queued requests, without changing any state.
+
+        costs: per tenant, the estimated service units of its queued requests, head first. Yields
+        (tenant id, index into its list), each request once, as `pick` followed by a charge of the
+        estimated cost would: the pointed tenant receives its quantum once per visit and keeps the
+        turn while its deficit is positive, then the pointer moves on (rounds nobody could spend
+        are fast-forwarded). So an executor that sorts its own waiting queue (SGLang) interleaves
+        tenants by their quanta, instead of one tenant's whole queue going first. Raises KeyError
+        for a tenant the policy has not seen."""
+        unknown = set(costs).difference(self.deficit)
+        if unknown:
+            raise KeyError(f"unknown tenants {sorted(unknown)}")
+        deficit = {t: self.deficit[t] for t, c in costs.items() if c}
+        nxt = {t: 0 for t in deficit}
+        ring = [t for t in self._ring if t in deficit]
+        if not ring:
+            return
+        # start at the pointer's tenant, or the first queued one after it in ring order
+        pos = {t: i for i, t in enumerate(self._ring)}
+        ptr_tenant = self._ring[self._ptr % len(self._ring)]
+        start = next((i for i, t in enumerate(ring) if pos[t] >= pos[ptr_tenant]), 0)
+        fresh = self._fresh or ring[start] != ptr_tenant
+        ptr = start
+        while ring:
+            served = False
+            for _ in range(len(ring)):
+                t = ring[ptr]
+                if fresh:
+                    deficit[t] += self.quantum * self.accounts[t].weight
+                    fresh = False
+                while deficit[t] > 0 and nxt[t] < len(costs[t]):
+                    yield t, nxt[t]
+                    deficit[t] -= costs[t][nxt[t]]
+                    nxt[t] += 1
+                    served = True
+                if nxt[t] >= len(costs[t]):  # its queue is served: out of the rounds
+                    ring.pop(ptr)
+                    if not ring:
+                        return
+                    ptr %= len(ring)
+                else:
+                    ptr = (ptr + 1) % len(ring)
+                fresh = True
+            if not served:  # a whole round and nobody could send: grant the rounds still needed at once
+                skip = min(math.floor(-deficit[t] / (self.quantum * self.accounts[t].weight)) for t in ring)
+                for t in ring:
+                    deficit[t] += skip * self.quantum * self.accounts[t].weight
 
     def describe(self) -> str:
         return f"drr (quantum {self.quantum:g} service units per unit weight)"

@@ -11,7 +11,10 @@ soon as it fits. One reservation is held at a time (the first tenant to reach th
 next one is granted when it is released. Running sequences (decodes, admitted prefills) are never
 blocked by a reservation: they already hold their place.
 
-Pure bookkeeping on tenant ids, request ids and block counts (no engine types, no torch).
+The gate only decides *when* a reservation is granted and released; the room itself is held in
+the scheduling core's ledger (`worker.scheduling.ledger`, hold kind "reservation"), which every
+admission reads. Pure bookkeeping on tenant ids, request ids and block counts (no engine types, no
+torch).
 """
 
 from __future__ import annotations
@@ -33,13 +36,15 @@ class EligibilityGate:
     """Bounded skips, then a memory reservation.
 
     max_skips: iterations a tenant's head may be skipped for memory before memory is reserved for
-    it (>= 0; 0 reserves at the first skip). Raises ValueError on a negative value.
+    it (>= 0; 0 reserves at the first skip). ledger: a `KVLedger` that holds the reserved room
+    (None: the gate only keeps its own record). Raises ValueError on a negative value.
     """
 
-    def __init__(self, max_skips: int = 8) -> None:
+    def __init__(self, max_skips: int = 8, ledger=None) -> None:
         if max_skips < 0:
             raise ValueError("max_skips must be >= 0")
         self.max_skips = max_skips
+        self.ledger = ledger
         self.skips: dict[str, int] = {}
         self.reservation: Reservation | None = None
         self.total_skips: dict[str, int] = {}
@@ -70,17 +75,33 @@ class EligibilityGate:
         if r is not None and r.request_id == request_id:
             r.blocks = blocks_needed  # keep the reservation in step with the head's current need
         elif r is None and n > self.max_skips:
-            self.reservation = Reservation(tenant_id, request_id, blocks_needed, iteration)
+            r = self.reservation = Reservation(tenant_id, request_id, blocks_needed, iteration)
             self.reservations_granted += 1
+        else:
+            return
+        self._publish()
+
+    def _publish(self) -> None:
+        """Mirror the reservation into the ledger (the room every admission reads)."""
+        if self.ledger is None:
+            return
+        from worker.scheduling.ledger import RESERVATION
+
+        self.ledger.release(RESERVATION)
+        r = self.reservation
+        if r is not None:
+            self.ledger.hold(RESERVATION, r.tenant_id, r.request_id, 0, r.blocks)
 
     def on_admit(self, tenant_id: str, request_id: str) -> None:
         """`request_id` was admitted: its tenant's skip count restarts, its reservation is released."""
         self.skips[tenant_id] = 0
         if self.reservation is not None and self.reservation.request_id == request_id:
             self.reservation = None
+            self._publish()
 
     def on_drop(self, tenant_id: str, request_id: str) -> None:
         """`request_id` left without being admitted (cancelled): release a reservation it held."""
         if self.reservation is not None and self.reservation.request_id == request_id:
             self.reservation = None
             self.skips[tenant_id] = 0
+            self._publish()

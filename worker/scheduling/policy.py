@@ -16,9 +16,11 @@ left: the scheduler's definition of backlogged; running decodes do not count).
 - `VTCPolicy`: weighted Virtual Token Counter (Sheng et al., "Fairness in Serving Large Language
   Models", OSDI 2024: Algorithm 2 in §4.2, weights in §4.3). Counter `v_t += Δc / w_t` on every
   charge; pick the candidate with the smallest counter; a tenant becoming backlogged is lifted to
-  the smallest counter among backlogged tenants (no credit for idling), or, with none backlogged,
-  to the last counter value seen. Ties break by tenant id (every tensor-parallel rank decides the
-  same way).
+  the smallest counter among the backlogged tenants *of its tier* (no credit for idling), or, with
+  none backlogged there, to the last counter value seen in that tier. Ties break by tenant id
+  (every tensor-parallel rank decides the same way). Tiers themselves are ordered by
+  `worker.scheduling.tiers` (strict priority with minimum shares); a policy only ever compares
+  tenants of one tier.
 - `VTCPredictPolicy`: VTC with output-length prediction (same paper, §4.4): at admission the
   counter is charged the *predicted* output cost; as tokens arrive, only tokens beyond the
   prediction are charged; at the end the unused part of the prediction is refunded. The
@@ -69,7 +71,19 @@ class SchedulingPolicy:
     def __init__(self, cost: CostFunction | None = None) -> None:
         self.cost = cost or LinearCost()
         self.accounts: dict[str, TenantAccount] = {}
-        self._last_counter = 0.0  # counter value of the last tenant to leave the backlogged set
+        # per tier: counter value of the last tenant of that tier to leave the backlogged set
+        self._last_counter_by_tier: dict[str, float] = {}
+        self._listeners: list = []
+
+    def subscribe(self, listener) -> None:
+        """Call `listener(account, units)` after every charge (`units` service units) and after
+        any other change of a tenant's counter (`units` 0: a lift, a predicted charge, a refund).
+        The scheduling core uses it to keep its candidate heaps and tier deficits current."""
+        self._listeners.append(listener)
+
+    def _changed(self, acct: TenantAccount, units: float = 0.0) -> None:
+        for listener in self._listeners:
+            listener(acct, units)
 
     def account(self, tenant_id: str, weight: float | None = None, tier: str | None = None) -> TenantAccount:
         """Return the tenant's account, creating it (and updating weight/tier when given).
@@ -93,6 +107,11 @@ class SchedulingPolicy:
         """Accounts of tenants that are backlogged right now."""
         return [a for a in self.accounts.values() if a.backlogged]
 
+    @property
+    def _last_counter(self) -> float:
+        """The last counter seen in the top tier (kept for callers written before tiers)."""
+        return self._last_counter_by_tier.get(TIERS[0], 0.0)
+
     # ---- events from the engine ---------------------------------------------------------------
     def on_arrival(self, tenant_id: str, weight: float = 1.0, tier: str = "interactive") -> None:
         """A request of `tenant_id` arrived. Marks the tenant backlogged (lifting it in VTC)."""
@@ -100,14 +119,15 @@ class SchedulingPolicy:
         if not acct.backlogged:
             self._lift(acct)
             acct.backlogged = True
+            self._changed(acct)
 
     def on_idle(self, tenant_id: str) -> None:
         """The tenant has nothing queued and no prefill left (decodes may still run)."""
         acct = self.accounts.get(tenant_id)
         if acct is not None and acct.backlogged:
             acct.backlogged = False
-            if not self.backlogged():
-                self._last_counter = acct.virtual_counter
+            if not any(a.backlogged and a.tier == acct.tier for a in self.accounts.values()):
+                self._last_counter_by_tier[acct.tier] = acct.virtual_counter
 
     def on_admit(self, tenant_id: str, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
         """A request's first prefill chunk is being scheduled (once per request). No-op here."""
@@ -127,6 +147,7 @@ class SchedulingPolicy:
         acct.prompt_tokens += prompt_tokens
         acct.output_tokens += output_tokens
         acct.virtual_counter += self._counter_units(acct, units, prompt_tokens, output_tokens, request_id) / acct.weight
+        self._changed(acct, units)
 
     def _counter_units(self, acct: TenantAccount, units: float, prompt_tokens: int, output_tokens: int,
                        request_id: str | None) -> float:
@@ -137,6 +158,18 @@ class SchedulingPolicy:
         """Hook: adjust a tenant's counter when it becomes backlogged. No-op by default."""
 
     # ---- decisions ----------------------------------------------------------------------------
+    # Whether a charge can only raise `key` (the core then re-keys a charged tenant lazily, when it
+    # reaches the top of its heap, instead of at every charge). Lifts, refunds and head changes are
+    # announced through `subscribe` and re-keyed at once.
+    key_rises_with_charges = False
+
+    def key(self, tenant_id: str, head_arrival: float) -> tuple | None:
+        """A sort key that ranks this tenant among candidates of its tier (smallest first), or None
+        when the policy has no static key (its `pick` must then be asked). `head_arrival`: arrival
+        time of the tenant's head request (seconds). The scheduling core keeps candidates in a heap
+        by this key and re-keys a tenant whenever it is charged or its head changes."""
+        return None
+
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
         """Order tenants with pending work, most deserving first.
 
@@ -174,12 +207,18 @@ class VTCPolicy(SchedulingPolicy):
     """
 
     name = "vtc"
+    key_rises_with_charges = True  # Δc / w >= 0 (VTC-pred: only what exceeds the prediction)
 
     def _lift(self, acct: TenantAccount) -> None:
-        others = [a.virtual_counter for a in self.accounts.values() if a.backlogged and a is not acct]
-        floor = min(others) if others else self._last_counter
+        others = [a.virtual_counter for a in self.accounts.values()
+                  if a.backlogged and a is not acct and a.tier == acct.tier]
+        floor = min(others) if others else self._last_counter_by_tier.get(acct.tier, 0.0)
         if acct.virtual_counter < floor:
             acct.virtual_counter = floor
+
+    def key(self, tenant_id: str, head_arrival: float) -> tuple:
+        """(virtual counter, tenant id): the smallest counter first, ties by tenant id."""
+        return (self.accounts[tenant_id].virtual_counter, tenant_id)
 
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
         return sorted(tenant_ids, key=lambda t: (self.accounts[t].virtual_counter, t))
@@ -232,6 +271,7 @@ class VTCPredictPolicy(VTCPolicy):
         acct = self.accounts[tenant_id]
         if predicted:
             acct.virtual_counter += self.cost.decode(predicted, prompt_tokens, 0) / acct.weight
+            self._changed(acct)
 
     def _counter_units(self, acct, units, prompt_tokens, output_tokens, request_id) -> float:
         live = self._live.get(request_id) if request_id is not None else None
@@ -253,6 +293,7 @@ class VTCPredictPolicy(VTCPolicy):
         acct = self.accounts[tenant_id]
         if committed < predicted:
             acct.virtual_counter -= self.cost.decode(predicted - committed, prompt, committed) / acct.weight
+            self._changed(acct)
         old = self.predicted_len.get(tenant_id)
         self.predicted_len[tenant_id] = float(output_tokens) if old is None else (
             (1 - self.smoothing) * old + self.smoothing * output_tokens)
@@ -265,6 +306,11 @@ class FCFSPolicy(SchedulingPolicy):
     """First come, first served across all tenants (baseline; counters kept for reporting)."""
 
     name = "fcfs"
+    key_rises_with_charges = True  # charges do not move it at all
+
+    def key(self, tenant_id: str, head_arrival: float) -> tuple:
+        """(head arrival, tenant id): the earliest head first."""
+        return (head_arrival, tenant_id)
 
     def order(self, tenant_ids: Iterable[str], arrival: dict[str, float]) -> list[str]:
         return sorted(tenant_ids, key=lambda t: (arrival[t], t))

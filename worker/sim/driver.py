@@ -88,7 +88,7 @@ def run_workload(workload: Workload, policy: str, time_model: IterationTimeModel
             prompt = [1001 + i % 30000] + [1 + (k % 1000) for k in range(1, r.prompt_tokens)]
             engine.add_request(r.request_id, r.tenant_id, prompt,
                                SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True), ignore,
-                               weight=r.weight, arrival_time=r.arrival_s)
+                               weight=r.weight, tier=r.tier, arrival_time=r.arrival_s)
             if r.cancel_at_s is not None:
                 heapq.heappush(cancels, (r.cancel_at_s, r.request_id))
             i += 1

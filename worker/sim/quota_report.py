@@ -2,6 +2,7 @@
 
     python -m worker.sim.quota_report [--workload memory-flood] [--profile PATH] [--seed 0]
                                       [--rate-scale 1] [--out PATH]
+    python -m worker.sim.quota_report --all [--rate-scale 0.6261]   (every workload, quotas off / on)
 
 Runs the workload twice through the real engine loop on the simulated runner (same seed, same time
 model, same rate scale): `kv_quota=False` (the quota-less behaviour) and `kv_quota=True` (defaults:
@@ -104,6 +105,43 @@ def section(workload: Workload, off: dict, on: dict, policy: str = "vtc", seed: 
     return lines
 
 
+def every_workload(time_model: IterationTimeModel | None = None, seed: int = 0, policy: str = "vtc",
+                   rate_scale: float = 1.0, **engine_overrides) -> list[dict]:
+    """Every workload (fairness, tiers, memory isolation) drained with KV quotas off and on: per
+    workload the max weighted service difference, Jain's index, tokens per busy second, the worst
+    tenant's TTFT p99 and the preemptions, off and on (what docs/memory-isolation.md decides the
+    default by)."""
+    import math
+
+    from loadtests.workloads import all_workloads, quota_workloads, tier_workloads
+    from worker.scheduling.metrics import compute_metrics
+
+    tm = time_model or IterationTimeModel.load(DEFAULT_PROFILE)
+    rows = []
+    for w in all_workloads() + tier_workloads() + quota_workloads():
+        row = {"workload": w.name}
+        for label, on in (("off", False), ("on", True)):
+            res = run_workload(w, policy, tm, seed=seed, rate_scale=rate_scale, drain_s=math.inf, keep_token_times=False,
+                               **{**engine_overrides, "kv_quota": on})
+            m = compute_metrics(res.log, res.engine.cost, window=res.window)
+            row[label] = {"diff": m.max_pair_diff_units, "jain": m.jain, "tok_s": m.busy_tokens_per_s,
+                          "ttft_p99": max(t.ttft_p99_s for t in m.tenants.values()),
+                          "preemptions": res.engine.snapshot()["preemptions"]}
+        rows.append(row)
+    return rows
+
+
+def every_workload_table(rows: list[dict]) -> str:
+    lines = ["| workload | max weighted diff off / on | Jain off / on | tokens / busy s off / on | worst TTFT p99 s "
+             "off / on | preemptions off / on |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b = r["off"], r["on"]
+        lines.append(f"| {r['workload']} | {a['diff']:,.0f} / {b['diff']:,.0f} | {a['jain']:.3f} / {b['jain']:.3f} | "
+                     f"{a['tok_s']:.0f} / {b['tok_s']:.0f} | {a['ttft_p99']:.2f} / {b['ttft_p99']:.2f} | "
+                     f"{a['preemptions']} / {b['preemptions']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m worker.sim.quota_report", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="memory-flood")
@@ -112,7 +150,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rate-scale", type=float, default=1.0, help="multiplies every arrival rate (default 1)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--all", action="store_true", help="every workload, quotas off / on (one table)")
     args = ap.parse_args(argv)
+    if args.all:
+        text = every_workload_table(every_workload(IterationTimeModel.load(args.profile), args.seed, args.policy,
+                                                   args.rate_scale))
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return 0
     try:
         workload = get_workload(args.workload)
     except KeyError as exc:

@@ -5,7 +5,8 @@ time model and rate scale, draining every request (so all policies complete the 
 plus a solo run of each workload's returning tenant. Fairness figures are taken over the arrival
 window [0, duration]; throughput is tokens per busy second over the whole drained run.
 `write_report` writes the markdown report (the summary table, then every metric per tenant per
-policy, then the memory-isolation workloads with KV quotas off and on side by side, from
+policy, then the priority-tier workloads with and without tiers side by side, from
+`worker.sim.tier_report`, then the memory-isolation workloads with KV quotas off and on side by side, from
 `worker.sim.quota_report`) and one PNG per fairness workload (service rate per tenant over time,
 accumulated service difference over time, TTFT per tenant); `benchmark_lines` are the printed
 figures and checks.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from loadtests.workloads import REFERENCE_CAPACITY_RPS, Workload
 from worker.scheduling.metrics import FairnessMetrics, compute_metrics, vtc_bound
-from worker.sim import quota_report
+from worker.sim import quota_report, tier_report
 from worker.sim.driver import SimResult, estimate_capacity_rps, run_workload
 from worker.sim.runner import IterationTimeModel
 
@@ -43,6 +44,8 @@ class Benchmark:
     engine_overrides: dict = field(default_factory=dict)
     # memory-isolation workloads, each run with KV quotas off and on: (workload, rows off, rows on)
     quota: list[tuple[Workload, dict, dict]] = field(default_factory=list)
+    # priority-tier workloads, each run solo / tiers / tiers + iteration target / tier-blind / FCFS
+    tiers: list[tuple[Workload, list]] = field(default_factory=list)
 
 
 def resolve_rate_scale(rate_scale: str | float, time_model: IterationTimeModel, **engine_overrides):
@@ -55,10 +58,11 @@ def resolve_rate_scale(rate_scale: str | float, time_model: IterationTimeModel, 
 
 def run_benchmark(workloads: list[Workload], policies: list[str], time_model: IterationTimeModel, *, seed: int = 0,
                   rate_scale: str | float = "auto", progress=None, quota_workloads: list[Workload] = (),
-                  **engine_overrides) -> Benchmark:
+                  tier_workloads: list[Workload] = (), **engine_overrides) -> Benchmark:
     """Simulate every workload under every policy (and each returning tenant alone), then each of
     `quota_workloads` under the first policy with KV quotas off and on (`worker.sim.quota_report`),
-    at the same seed and rate scale."""
+    then each of `tier_workloads` with and without tiers (`worker.sim.tier_report`), at the same
+    seed and rate scale."""
     scale, cap = resolve_rate_scale(rate_scale, time_model, **engine_overrides)
     bench = Benchmark(time_model, scale, cap, seed, list(policies), engine_overrides=dict(engine_overrides))
     for w in workloads:
@@ -83,6 +87,12 @@ def run_benchmark(workloads: list[Workload], policies: list[str], time_model: It
             v_off, v_on = off[w.returning_tenant], on[w.returning_tenant]
             progress(f"{w.name:<20} KV quotas off/on: {w.returning_tenant} TTFT {v_off['ttft_mean']:.2f}/"
                      f"{v_on['ttft_mean']:.2f} s, preemptions {v_off['preemptions']}/{v_on['preemptions']}")
+    for w in tier_workloads:
+        rows = tier_report.compare(w, time_model, seed, scale, **engine_overrides)
+        bench.tiers.append((w, rows))
+        if progress:
+            progress(f"{w.name:<20} interactive TTFT p99 / solo: " + ", ".join(
+                f"{r['run']} {r['ratio']:.2f}x" for r in rows[1:]))
     return bench
 
 
@@ -194,6 +204,8 @@ def benchmark_lines(bench: Benchmark) -> list[str]:
     if tputs:
         out.append(f"CHECK throughput VTC/FCFS >= 0.98 on every workload (min {min(tputs):.3f}): "
                    f"{'PASS' if min(tputs) >= 0.98 else 'FAIL'}")
+    for w, trows in bench.tiers:
+        out += tier_report.check_lines(trows, w.name, ttft_check=w.name == "tiers")
     for r in rows:
         if "returning" in r and "ttft_vtc" in r:
             out.append(f"INFO returning tenant {r['workload']}/{r['returning']}: TTFT VTC {r['ttft_vtc']:.2f} s vs "
@@ -335,6 +347,8 @@ def write_report(bench: Benchmark, out: Path, img_dir: Path, command: str = "fai
         if wr.solo_ttft_s is not None:
             lines += [f"Returning tenant `{w.returning_tenant}` alone: mean TTFT {wr.solo_ttft_s:.2f} s.", ""]
         lines += [tenant_table(wr, bench.policies), "", f"![{w.name}]({rel})", ""]
+    for w, trows in bench.tiers:  # priority tiers: their own sections
+        lines += tier_report.section(w, trows, bench.seed, bench.rate_scale, ttft_check=w.name == "tiers")
     for w, off, on in bench.quota:  # memory isolation: its own sections, not in the summary
         lines += quota_report.section(w, off, on, bench.policies[0], bench.seed, bench.rate_scale)
     out.parent.mkdir(parents=True, exist_ok=True)

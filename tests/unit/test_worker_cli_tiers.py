@@ -1,0 +1,80 @@
+"""`fairshare worker --tier-min-share / --no-tier-scheduling / --iteration-token-target`: parsed into
+EngineConfig fields that reach the scheduling core; bad values are argparse errors (exit 2, one
+`error:` line, no traceback) before any model is loaded; `fairshare up` passes them on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.cli_checks import assert_worker_usage_error
+from worker.cli import build_parser, tier_settings
+from worker.engine.engine import Engine, EngineConfig
+from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+
+
+def settings(*argv: str) -> dict:
+    p = build_parser()
+    return tier_settings(p, p.parse_args(list(argv)))
+
+
+def engine(**cfg) -> Engine:
+    clock = VirtualClock()
+    return Engine(SimModel(), EngineConfig(**cfg), SimulatedRunner(clock, IterationTimeModel(0.01, 0, 0, 0), 64),
+                  clock=clock)
+
+
+def test_defaults_are_the_engines_and_give_five_percent_per_lower_tier():
+    s = settings()
+    assert s == {"tier_scheduling": True, "tier_min_shares": {}, "iteration_token_target": None}
+    cfg = EngineConfig()
+    assert {k: getattr(cfg, k) for k in s} == s
+    core = engine().scheduler.core
+    assert core.tiers.enabled and core.tiers.min_share == {"batch": 0.05, "background": 0.05}
+    assert core.iteration_token_target == cfg.max_num_batched_tokens
+
+
+def test_flags_reach_the_scheduling_core():
+    s = settings("--tier-min-share", "background=0.1", "--tier-min-share", "batch=0.02", "--iteration-token-target", "24")
+    assert s == {"tier_scheduling": True, "tier_min_shares": {"background": 0.1, "batch": 0.02},
+                 "iteration_token_target": 24}
+    core = engine(**s).scheduler.core
+    assert core.tiers.min_share == {"batch": 0.02, "background": 0.1} and core.iteration_token_target == 24
+    off = settings("--no-tier-scheduling")
+    assert off["tier_scheduling"] is False and not engine(**off).scheduler.core.tiers.enabled
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tier-min-share", "interactive=0.1"], "interactive is the top tier"),
+    (["--tier-min-share", "gold=0.1"], "unknown tier 'gold'"),
+    (["--tier-min-share", "batch"], "is not TIER=FRAC"),
+    (["--tier-min-share", "batch=x"], "is not TIER=FRAC"),
+    (["--tier-min-share", "batch=1"], "must be in [0, 1)"),
+    (["--tier-min-share", "batch=0.6", "--tier-min-share", "background=0.5"], "must sum to less than 1"),
+    (["--tier-min-share", "batch=0.1", "--tier-min-share", "batch=0.2"], "'batch' given twice"),
+    (["--tier-min-share", "batch=0.1", "--no-tier-scheduling"], "needs tier scheduling"),
+    (["--iteration-token-target", "0"], "argument --iteration-token-target: 0 is not > 0"),
+])
+def test_bad_values_are_argparse_errors(argv, message, capsys):
+    assert_worker_usage_error(argv, message, capsys)
+
+
+def test_fairshare_up_passes_tier_flags_to_its_worker(capsys):
+    from fairshare import up
+
+    def worker_args(*argv: str) -> list[str]:
+        args = up.build_parser().parse_args(list(argv))
+        up.resolve_ports(args)
+        cmd = up.worker_command(args)
+        return cmd[cmd.index("worker") + 1:]
+
+    assert not [a for a in worker_args() if a.startswith(("--tier", "--no-tier", "--iteration"))]  # the worker's own
+    args = worker_args("--tier-min-share", "background=0.1", "--iteration-token-target", "16", "--no-tier-scheduling")
+    p = build_parser()
+    ns = p.parse_args(args)
+    assert ns.tier_min_share == [("background", 0.1)] and ns.iteration_token_target == 16 and ns.tier_scheduling is False
+    args = worker_args("--tier-min-share", "background=0.1", "--iteration-token-target", "16")
+    assert tier_settings(p, p.parse_args(args)) == {"tier_scheduling": True, "tier_min_shares": {"background": 0.1},
+                                                    "iteration_token_target": 16}
+    with pytest.raises(SystemExit) as exc:
+        up.build_parser().parse_args(["--tier-min-share", "background=2"])
+    assert exc.value.code == 2 and "--tier-min-share" in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""What a weight (and a tier) means when nobody queues: sharing the iteration itself.
+
+When every request runs (running slots and KV room suffice), nobody waits for admission, so VTC's
+ordering decides nothing and each running request gets one token per iteration: two tenants of
+weight 1 and 3 with 30 streams each share 1 : 1, although each iteration is slowed by both; and an
+interactive request's first token waits for iterations swollen by background decodes. What is
+contended then is the iteration itself (its time grows with its tokens). The contract
+(docs/fairness.md, "When nobody queues"), applied by `SchedulingCore.plan_iteration`:
+
+- `iteration_token_target` T (tokens per iteration; EngineConfig / `--iteration-token-target`;
+  default: the iteration's token budget, so nothing changes). An iteration is *contended* when
+  more than one tenant has work in it (decodes or pending prefill); a lone tenant always gets the
+  whole budget.
+- In a contended iteration the top tier with work keeps all of its pending prefill (up to the
+  budget: an interactive prompt is never held back by background decodes), and the decodes and the
+  other tiers' prefill share T tokens: each lower tier owed its minimum share
+  (`worker.scheduling.tiers`) first keeps `ceil(m_k · T)` of them, then the tiers take the rest in
+  strict priority order, each its decodes and then its prefill.
+- Within a tier, decode slots are water-filled by weight among the tenants with decodes (a tenant
+  that needs less than its weighted share gives the rest to the others); within a tenant, the
+  requests that waited longest since their last token go first (ties: admission order). Prefill
+  within a tier goes by the fairness policy, as always.
+
+The weight-3 tenant of the example above then gets 3 decode tokens per iteration for every one of the
+weight-1 tenant's, and the interactive tier's iterations stay short. The price is throughput: a
+contended iteration is held at T tokens instead of every runnable one, and the skipped requests keep
+their KV blocks while they wait (figures in docs/fairness.md).
+
+Pure arithmetic on ids, weights and counts (no torch, no grpc).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+from worker.scheduling.policy import TIERS
+
+
+def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity: int) -> dict[str, int]:
+    """Split `capacity` whole slots among tenants in proportion to `weight`, none getting more than
+    its `demand` (max-min fair with weights). Returns tenant -> slots; the slots sum to
+    min(capacity, Σ demand). Deterministic: ties break by tenant id."""
+    give = {t: 0 for t in demand}
+    left = max(0, int(capacity))
+    active = sorted(t for t, d in demand.items() if d > 0)
+    while left > 0 and active:
+        total_w = sum(weight[t] for t in active)
+        # whole shares first, in order of the demand left per unit weight (smallest first)
+        progressed = False
+        for t in sorted(active, key=lambda u: ((demand[u] - give[u]) / weight[u], u)):
+            share = int(math.floor(left * weight[t] / total_w)) if total_w > 0 else 0
+            n = min(demand[t] - give[t], share)
+            if n > 0:
+                give[t] += n
+                progressed = True
+        left = capacity - sum(give.values())
+        active = [t for t in active if give[t] < demand[t]]
+        if not progressed and left > 0 and active:
+            # shares below one slot each: one more to the tenants furthest below their share
+            for t in sorted(active, key=lambda u: (give[u] / weight[u], u))[:left]:
+                give[t] += 1
+            left = capacity - sum(give.values())
+            active = [t for t in active if give[t] < demand[t]]
+    return give
+
+
+def split_by_tier(demand_by_tier: Mapping[str, int], tier_order: list[str], min_shares: Mapping[str, float],
+                  capacity: int, floors_only: bool = False) -> dict[str, int]:
+    """Tokens per tier: each tier in `min_shares` first keeps `ceil(m_k · capacity)` (at most its
+    demand), then what is left goes in strict priority order (`tier_order`, highest first).
+    floors_only: return only the first part."""
+    give = {t: 0 for t in demand_by_tier}
+    left = capacity
+    for t in tier_order:
+        m = min_shares.get(t, 0.0)
+        if m > 0 and demand_by_tier.get(t, 0) > 0:
+            n = min(demand_by_tier[t], math.ceil(m * capacity), left)
+            give[t] += n
+            left -= n
+    if floors_only:
+        return give
+    for t in tier_order:
+        if left <= 0:
+            break
+        n = min(demand_by_tier.get(t, 0) - give.get(t, 0), left)
+        if n > 0:
+            give[t] += n
+            left -= n
+    return give
+
+
+def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]:
+    """Which decodes run and how many prefill tokens may follow, out of `budget` tokens, for the
+    scheduling core `core` (`SchedulingCore.plan_iteration` calls it).
+
+    decoding: running entries with one token to compute, in admission order. While the
+    iteration is not *contended* (work of one tenant only) or its tokens stay within the
+    iteration token target `T`, every decode runs and prefill gets the rest of the budget.
+    Otherwise the top tier with work keeps all of its pending prefill, and the decodes and the
+    other tiers' prefill share `T` tokens (this module's docstring): strict priority
+    across tiers, each tier's decodes and then its prefill, each lower tier owed its minimum
+    share keeping `ceil(m_k·T)` tokens; within a tier, decodes by weight (the requests that
+    waited longest since their last token first). Returns the decodes
+    (admission order) and the prefill budget (None: whatever the decodes leave of `budget`);
+    the prefill round then also keeps each tier to the prefill tokens planned for it."""
+    cap = core.iteration_token_target
+    core._tier_prefill_cap = None
+    tenants = {e.tenant_id for e in decoding}
+    contended = len(tenants) > 1 or any(
+        t not in tenants for tier in TIERS for t in core._pending[tier]) if cap < budget else False
+    if not contended:
+        for e in decoding:
+            e.last_decode = core.iteration
+        return decoding, None
+    by_tier: dict[str, dict[str, list]] = {}
+    for e in decoding:
+        by_tier.setdefault(e.tenant.sched_tier, {}).setdefault(e.tenant_id, []).append(e)
+    demand = {t: sum(len(v) for v in by_tier.get(t, {}).values()) for t in TIERS}
+    prefill = {t: core.prefill_demand(t, budget) for t in TIERS}
+    # the top tier with work keeps all of its prefill (an interactive prompt is not held back);
+    # the decodes and every other tier's prefill share the target
+    top = next((t for t in TIERS if demand[t] or prefill[t]), TIERS[0])
+    work = {t: demand[t] + (prefill[t] if t != top else 0) for t in TIERS}
+    if sum(work.values()) <= cap:
+        for e in decoding:
+            e.last_decode = core.iteration
+        return decoding, None
+    # a lower tier's floor: only while it is owed its minimum share (its deficit keeps the share
+    # over time; a floor every iteration would round 5 % of a small target up to a whole token),
+    # and only for decodes it has (prefill it could not fit must not take decode slots away)
+    floors = split_by_tier({k: demand[k] for k in TIERS}, list(TIERS),
+                           {k: m for k, m in core.tiers.min_share.items() if core.tiers.owed(k)}, cap,
+                           floors_only=True)
+    tokens = split_by_tier({k: max(0, work[k] - floors[k]) for k in TIERS}, list(TIERS), {},
+                           cap - sum(floors.values()))
+    tokens = {k: tokens[k] + floors[k] for k in TIERS}
+    chosen: set[int] = set()
+    caps: dict[str, int] = {}
+    for tier in TIERS:
+        n = tokens.get(tier, 0)
+        d = min(demand[tier], n)
+        caps[tier] = prefill[tier] if tier == top else max(0, min(prefill[tier], n - d))
+        tenant_entries = by_tier.get(tier, {})
+        slots = water_fill({t: len(v) for t, v in tenant_entries.items()},
+                           {t: core.tenants[t].weight for t in tenant_entries}, d)
+        for t, entries in tenant_entries.items():
+            entries.sort(key=lambda e: (e.last_decode, e.order))
+            chosen.update(id(e) for e in entries[:slots[t]])
+    out = [e for e in decoding if id(e) in chosen]
+    for e in out:
+        e.last_decode = core.iteration
+    core._tier_prefill_cap = caps
+    return out, max(0, min(budget - len(out), sum(caps.values())))
