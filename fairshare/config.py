@@ -35,7 +35,6 @@ Keys file (YAML, default ``<tenants stem>.keys.yaml`` next to the tenants file),
 
 from __future__ import annotations
 
-import enum
 import os
 import tempfile
 from pathlib import Path
@@ -44,15 +43,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fairshare.tiers import Tier  # noqa: F401 (re-exported: the tenant schema's tier type)
+
 TENANT_ID_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
-
-
-class Tier(str, enum.Enum):
-    """Service tier: strict priority across tiers (with a minimum share for lower ones) in the worker."""
-
-    INTERACTIVE = "interactive"
-    BATCH = "batch"
-    BACKGROUND = "background"
 
 
 class TenantLimits(BaseModel):

@@ -4,18 +4,23 @@
     fairshare sim calibrate [--model random-tiny] [--device cpu] [--threads N] [--repeats 5] [--out PATH]
     fairshare sim run WORKLOAD [--policy vtc|vtc-pred|drr|fcfs] [--profile PATH] [--seed 0]
                                [--rate-scale auto|X] [--cost linear|profiled] [--alpha 1 --beta 2] [--quantum 512]
-                               [--kv-quota]
+                               [--kv-quota] [--workers N] [--routing least-loaded|prefix|fair]
+                               [--pool-counters auto|on|off] [--load 0.8] [--duration S]
     fairshare sim report [--workloads all|a,b] [--policies vtc,drr,fcfs] [--out docs/fairness-report.md]
-                         [--img-dir docs/img] [--profile PATH] [--seed 0] [--rate-scale auto|X]
+                         [--img-dir docs/img] [--profile PATH] [--seed 0] [--rate-scale auto|X] [--no-pool]
 
 `calibrate` fits the iteration time model `a + b·prefill_tokens + c·batch_size + d·context_tokens`
 from the real runner on this machine (needs torch; `--device cuda` on a GPU) and saves it as JSON.
-`run` simulates one workload under one policy and prints the per-tenant metrics. `report` runs
+`run` simulates one workload under one policy and prints the per-tenant metrics; with `--workers N`
+(or `--routing`) it runs a pool of N simulated workers behind the gateway's routing code
+(`worker/sim/pool.py`) and also prints the pool-wide prefix hit rate, the p99 queue time and what
+each worker got. `--load X` sizes the rates to X of the pool's capacity. `report` runs
 every workload under every policy side by side, writes the markdown report and PNG plots, and
 prints the benchmark figures; the priority-tier workloads (`tiers`, `tiers-heavy`) are run alone,
 with tiers, with tiers and an iteration token target, tier-blind and under FCFS, and the
 memory-isolation workloads (`memory-flood`) with KV quotas off and on, each written as their own
-sections (not in the fairness summary). Every command that
+sections (not in the fairness summary); then the pool section (prefix hit rates on 4 and 8 workers,
+fairness under a skewed overload; worker/sim/pool_report.py). Every command that
 reports prints the cost function and weights.
 `run` and `report` import no torch.
 """
@@ -60,10 +65,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_list(argv: list[str]) -> int:
-    from loadtests.workloads import all_workloads, quota_workloads, tier_workloads
+    from loadtests.workloads import all_workloads, pool, quota_workloads, shared_prefix, tier_workloads
 
-    for w in all_workloads() + tier_workloads() + quota_workloads():
-        weights = ", ".join(f"{t.tenant_id}={t.weight:g}" for t in w.tenants)
+    prompted = list(shared_prefix.WORKLOADS.values()) + list(pool.WORKLOADS.values())
+    for w in all_workloads() + tier_workloads() + quota_workloads() + [p.base for p in prompted]:
+        weights = ", ".join(f"{t.tenant_id}={t.weight:g}" for t in w.tenants[:8]) + (", ..." if len(w.tenants) > 8 else "")
         print(f"{w.name:<20} {w.description}  [weights {weights}; {w.source}]")
     return 0
 
@@ -86,37 +92,91 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 
 def cmd_run(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="fairshare sim run", description="Simulate one workload under one policy.")
+    from gateway.routing_policy import ROUTING_POLICIES
+
+    p = argparse.ArgumentParser(prog="fairshare sim run", description="Simulate one workload under one policy, on one "
+                                "worker or on a pool of workers behind the gateway's routing.")
     p.add_argument("workload")
     p.add_argument("--policy", choices=["vtc", "vtc-pred", "drr", "fcfs"], default="vtc")
     p.add_argument("--drain", action="store_true", help="run until every request finished")
+    p.add_argument("--workers", type=int, default=1, help="simulated workers behind the router (default 1)")
+    p.add_argument("--routing", choices=ROUTING_POLICIES, default=None,
+                   help="routing policy of the pool (default: least-loaded; gateway/routing_policy.py)")
+    p.add_argument("--pool-counters", choices=["auto", "on", "off"], default="auto",
+                   help="workers order by pool-wide counters through the pool board (auto: on for fair routing)")
+    p.add_argument("--load", type=float, default=None,
+                   help="offered load as a fraction of the pool's capacity for the workload's mean request "
+                        "(overrides --rate-scale)")
+    p.add_argument("--duration", type=float, default=None, help="play the workload for this long at the same rates")
     _add_common(p)
     args = p.parse_args(argv)
+    from dataclasses import replace
+
     from loadtests.workloads import get_workload
     from worker.scheduling.metrics import compute_metrics
-    from worker.sim.driver import run_workload
-    from worker.sim.report import TENANT_COLUMNS, _f, resolve_rate_scale
+    from worker.sim.report import resolve_rate_scale
 
     try:
         workload = get_workload(args.workload)
     except KeyError as exc:
         print(f"fairshare sim: {exc.args[0]}", file=sys.stderr)
         return 2
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    prompted = hasattr(workload, "base")
+    if args.duration is not None:
+        if not args.duration > 0:
+            p.error("--duration must be > 0")
+        workload = workload.lasting(args.duration) if prompted else replace(workload, duration_s=args.duration)
     tm = _profile(args.profile)
     overrides = _engine_overrides(args)
-    scale, cap = resolve_rate_scale(args.rate_scale, tm, **overrides)
-    res = run_workload(workload, args.policy, tm, seed=args.seed, rate_scale=scale,
-                       drain_s=math.inf if args.drain else None, **overrides)
-    m = compute_metrics(res.log, res.engine.cost, window=res.window)
+    pooled = args.workers > 1 or args.routing is not None or prompted or args.load is not None
+    if args.load is not None:
+        from worker.sim.pool import pool_rate_scale
+
+        scale, per_worker = pool_rate_scale(workload, tm, args.workers, args.load, args.seed, **overrides)
+        cap = per_worker * args.workers
+    else:
+        scale, cap = resolve_rate_scale(args.rate_scale, tm, **overrides)
+    drain = math.inf if args.drain else None
+    if not pooled:
+        from worker.sim.driver import run_workload
+
+        res = run_workload(workload, args.policy, tm, seed=args.seed, rate_scale=scale, drain_s=drain, **overrides)
+        m = compute_metrics(res.log, res.engine.cost, window=res.window)
+        _print_run(workload, res.engine, res.config, tm, scale, cap, res.iterations, res.end_s, m)
+        return 0
+    from worker.sim.pool import run_pool
+
+    counters = None if args.pool_counters == "auto" else args.pool_counters == "on"
+    res = run_pool(workload, args.policy, tm, workers=args.workers, routing=args.routing or "least-loaded",
+                   seed=args.seed, rate_scale=scale, drain_s=drain, pool_counters=counters, **overrides)
+    m = compute_metrics(res.log, res.cost, window=res.window)
+    base = workload.base if prompted else workload
+    _print_run(base, res.workers[0].engine, res.config, tm, scale, cap, res.iterations, res.end_s, m)
+    print(f"pool: {args.workers} worker(s), routing {res.routing_policy.describe()}; pool-wide counters "
+          f"{'on' if res.pool_counters else 'off'}; pool-wide prefix hit rate {res.hit_rate:.3f} "
+          f"({res.hit_tokens} of {res.prompt_tokens} prompt tokens cached); queue p99 {res.queue_percentile(99):.3f} s; "
+          f"{res.spills} spills")
+    for w in res.workers:
+        rate = w.hit_tokens / w.prompt_tokens if w.prompt_tokens else float("nan")
+        print(f"  worker {w.route_id}: {w.requests} requests, hit rate {rate:.3f}, {w.runner.steps} iterations")
+    return 0
+
+
+def _print_run(workload, engine, config, tm, scale: float, cap, iterations: int, end_s: float, m) -> None:
+    """What `sim run` prints: the run's settings, the per-tenant table and the summary line."""
+    from worker.sim.report import TENANT_COLUMNS, _f
+
     print(f"workload {workload.name}: {workload.description}")
-    print(f"policy: {res.engine.policy.describe()}")
-    print(f"cost function: {res.engine.cost.describe()}")
-    if res.config.kv_quota:
+    print(f"policy: {engine.policy.describe()}")
+    print(f"cost function: {engine.cost.describe()}")
+    if config.kv_quota:
         print("per-tenant KV quotas: on (defaults; docs/memory-isolation.md)")
     print("weights: " + ", ".join(f"{t}={w:g}" for t, w in workload.weights().items()))
     print(f"time model: {tm.describe()}")
     print(f"rate scale {scale:.4f}" + (f" (capacity {cap:.3f} req/s)" if cap else "")
-          + f"; {res.iterations} iterations, simulated {res.end_s:.1f} s")
+          + f"; {iterations} iterations, simulated {end_s:.1f} s")
     cols = [("tenant", 12)] + [(c[1], max(9, len(c[1]))) for c in TENANT_COLUMNS]
     print("  ".join(f"{name:>{w}}" for name, w in cols))
     for t, tm_ in m.tenants.items():
@@ -126,7 +186,6 @@ def cmd_run(argv: list[str]) -> int:
           f"Jain {m.jain:.3f}; {m.service_units_per_s:.1f} units/s; {m.output_tokens_per_s:.1f} output tokens/s; "
           f"{m.busy_tokens_per_s:.1f} tokens per busy second; goodput {m.goodput_rps:.3f} req/s "
           f"(TTFT <= {m.slo[0]:g} s, ITL <= {m.slo[1]:g} s)")
-    return 0
 
 
 def cmd_report(argv: list[str]) -> int:
@@ -135,6 +194,8 @@ def cmd_report(argv: list[str]) -> int:
     p.add_argument("--policies", default="vtc,drr,fcfs")
     p.add_argument("--out", default=str(ROOT / "docs" / "fairness-report.md"))
     p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"))
+    p.add_argument("--no-pool", dest="pool", action="store_false",
+                   help="leave out the pool section (worker/sim/pool_report.py)")
     _add_common(p)
     args = p.parse_args(argv)
     from loadtests.workloads import all_workloads, get_workload, quota_workloads, tier_workloads
@@ -161,6 +222,10 @@ def cmd_report(argv: list[str]) -> int:
     bench = run_benchmark(workloads, policies, tm, seed=args.seed, rate_scale=args.rate_scale,
                           progress=lambda s: print(s, flush=True), quota_workloads=quota, tier_workloads=tiers,
                           **_engine_overrides(args))
+    if args.pool:
+        from worker.sim.pool_report import run_pool_benchmark
+
+        bench.pool = run_pool_benchmark(tm, bench.rate_scale, seed=args.seed, progress=lambda s: print(s, flush=True))
     command = "fairshare sim report " + " ".join(argv)
     files = write_report(bench, Path(args.out), Path(args.img_dir), command.strip())
     print()
@@ -172,6 +237,12 @@ def cmd_report(argv: list[str]) -> int:
         print(f"\n{w.name}: KV quotas off / on (policy {policies[0]}; weights "
               + ", ".join(f"{t}={x:g}" for t, x in w.weights().items()) + ")")
         print(table(off, on))
+    if bench.pool is not None:
+        from worker.sim.pool_report import lines as pool_lines
+
+        print()
+        for line in pool_lines(bench.pool):
+            print(line)
     print(f"wrote {len(files)} files: {files[-1]} and {len(files) - 1} plots under {args.img_dir}")
     return 0
 

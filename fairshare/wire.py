@@ -1,7 +1,7 @@
 """Mappings between the gRPC contract's enums and the names both tiers use.
 
-- `TIER_NAMES`: `fairshare.v1.Tier` value → tier name (`interactive` | `batch` | `background`);
-  an unspecified tier counts as `interactive`.
+- `TIER_NAMES`: `fairshare.v1.Tier` value → tier name (`fairshare.tiers`); an unspecified tier
+  counts as `fairshare.tiers.DEFAULT_TIER`.
 - `TIER_ENUMS`: tier name → `fairshare.v1.Tier` value.
 - `FINISH_ENUMS`: finish reason name (`stop` | `length` | `abort`) → `fairshare.v1.FinishReason`.
 - `SERVICE_NAME`: the gRPC service name, also used for `grpc.health.v1` checks.
@@ -12,18 +12,14 @@
 
 from __future__ import annotations
 
+from fairshare.tiers import DEFAULT_TIER, Tier
 from fairshare.v1 import worker_pb2
 
 SERVICE_NAME = "fairshare.v1.Worker"
 INVALID_METADATA_KEY = "fairshare-invalid"
 
-TIER_NAMES = {
-    worker_pb2.TIER_UNSPECIFIED: "interactive",
-    worker_pb2.TIER_INTERACTIVE: "interactive",
-    worker_pb2.TIER_BATCH: "batch",
-    worker_pb2.TIER_BACKGROUND: "background",
-}
-TIER_ENUMS = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TIER_BATCH,
-              "background": worker_pb2.TIER_BACKGROUND}
+# `fairshare.tiers.Tier.X` <-> proto `TIER_X`, by name (a tier added to one and not the other fails here)
+TIER_ENUMS = {t.value: worker_pb2.Tier.Value(f"TIER_{t.name}") for t in Tier}
+TIER_NAMES = {worker_pb2.TIER_UNSPECIFIED: DEFAULT_TIER, **{v: k for k, v in TIER_ENUMS.items()}}
 FINISH_ENUMS = {"stop": worker_pb2.FINISH_REASON_STOP, "length": worker_pb2.FINISH_REASON_LENGTH,
                 "abort": worker_pb2.FINISH_REASON_ABORT}

@@ -12,11 +12,12 @@
 --   4 max in-flight tokens (-1 = unlimited)         5 max concurrent requests (-1 = unlimited)
 --   6 cost in tokens (prompt + max_tokens)          7 lease id            8 lease ttl (ms)
 --   9 expected duration of this request in ms, stored as its lease's end (-1 = unknown)
---   10.. pairs (lease id, ms): the admitting gateway's current estimate of how long each of its
+--   10 the clock in ms (-1 = Redis TIME, the one clock for all gateways; tests and replays pass theirs)
+--   11.. pairs (lease id, ms): the admitting gateway's current estimate of how long each of its
 --        running leases of this tenant still needs (fresher than the stored ends; not stored)
--- Buckets hold at most `limit` and refill continuously at limit/60000 per ms; a missing bucket is
--- full. Expired leases are dropped before counting. Time comes from Redis TIME (one clock for all
--- gateways). A rejected request changes nothing but the removal of expired leases.
+-- Buckets (gateway/bucket.lua, prepended to this script) hold at most `limit` and refill
+-- continuously at limit/60000 per ms; a missing bucket is full. Expired leases are dropped before
+-- counting. A rejected request changes nothing but the removal of expired leases.
 --
 -- Retry hints (retry_after_ms): for the buckets, the exact refill time; for concurrency and
 -- in-flight tokens, when enough running requests are expected to end (their leases' ends, from the
@@ -41,27 +42,9 @@ local ttl_ms = tonumber(ARGV[8])
 local expected_ms = tonumber(ARGV[9] or '-1')
 local OVERDUE_MS = 1000
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local now = clock_ms(ARGV[10])
 
 local function fmt(x) return string.format('%.17g', x) end
-
--- current content of a bucket (after refill); returns tokens, rate (per ms)
-local function level(key, limit)
-  local v = redis.call('HMGET', key, 't', 'ts')
-  local tokens = tonumber(v[1])
-  local ts = tonumber(v[2])
-  if tokens == nil or ts == nil then return limit, limit / 60000.0 end
-  local rate = limit / 60000.0
-  if now > ts then tokens = tokens + (now - ts) * rate end
-  if tokens > limit then tokens = limit end
-  return tokens, rate
-end
-
-local function store(key, limit, tokens, rate)
-  redis.call('HSET', key, 't', fmt(tokens), 'ts', fmt(now))
-  redis.call('PEXPIRE', key, math.ceil((limit - tokens) / rate) + 1000)
-end
 
 -- drop expired leases
 local zkey, hkey, ekey = KEYS[3], KEYS[4], KEYS[5]
@@ -78,8 +61,8 @@ local inflight = 0
 for _, v in ipairs(redis.call('HVALS', hkey)) do inflight = inflight + tonumber(v) end
 
 local rpm_tokens, rpm_rate, tpm_tokens, tpm_rate = -1, 0, -1, 0
-if rpm_limit >= 0 then rpm_tokens, rpm_rate = level(KEYS[1], rpm_limit) end
-if tpm_limit >= 0 then tpm_tokens, tpm_rate = level(KEYS[2], tpm_limit) end
+if rpm_limit >= 0 then rpm_tokens, rpm_rate = bucket_level(KEYS[1], rpm_limit, now) end
+if tpm_limit >= 0 then tpm_tokens, tpm_rate = bucket_level(KEYS[2], tpm_limit, now) end
 
 local function reset_ms(limit, tokens, rate)
   if limit < 0 then return 0 end
@@ -122,7 +105,7 @@ local ends = nil
 local function lease_ends()
   if ends then return ends end
   local hinted = {}
-  for i = 10, #ARGV - 1, 2 do hinted[ARGV[i]] = tonumber(ARGV[i + 1]) end
+  for i = 11, #ARGV - 1, 2 do hinted[ARGV[i]] = tonumber(ARGV[i + 1]) end
   local live = redis.call('ZRANGE', zkey, 0, -1, 'WITHSCORES')
   local ids, expiry = {}, {}
   for i = 1, #live, 2 do ids[#ids + 1] = live[i]; expiry[#expiry + 1] = tonumber(live[i + 1]) end
@@ -177,11 +160,11 @@ end
 -- admit: charge everything at once
 if rpm_limit >= 0 then
   rpm_tokens = rpm_tokens - 1
-  store(KEYS[1], rpm_limit, rpm_tokens, rpm_rate)
+  bucket_store(KEYS[1], rpm_limit, rpm_tokens, rpm_rate, now)
 end
 if tpm_limit >= 0 then
   tpm_tokens = tpm_tokens - cost
-  store(KEYS[2], tpm_limit, tpm_tokens, tpm_rate)
+  bucket_store(KEYS[2], tpm_limit, tpm_tokens, tpm_rate, now)
 end
 redis.call('ZADD', zkey, now + ttl_ms, lease_id)
 redis.call('HSET', hkey, lease_id, cost)

@@ -36,30 +36,40 @@ from redis.exceptions import NoScriptError
 from fairshare.config import TenantConfig
 
 
-_ADMIT_LUA = (Path(__file__).with_name("admission.lua")).read_text(encoding="utf-8")
+_BUCKET_LUA = (Path(__file__).with_name("bucket.lua")).read_text(encoding="utf-8")
+_ADMIT_LUA = _BUCKET_LUA + (Path(__file__).with_name("admission.lua")).read_text(encoding="utf-8")
 
-_SETTLE_LUA = """
+_SETTLE_LUA = _BUCKET_LUA + """
 -- KEYS: 1 TPM bucket, 2 leases zset, 3 leases hash, 4 lease ends hash.  ARGV: 1 tpm limit (-1 = none),
--- 2 lease id, 3 refund (tokens). Refunds only if the lease was still held, so a repeated call changes
--- nothing.
+-- 2 lease id, 3 refund (tokens), 4 the clock in ms (-1 = Redis TIME). Refunds only if the lease was
+-- still held, so a repeated call changes nothing.
 local limit, id, refund = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local had = redis.call('HDEL', KEYS[3], id)
 redis.call('ZREM', KEYS[2], id)
 redis.call('HDEL', KEYS[4], id)
 if had == 1 and limit >= 0 and refund > 0 then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-  local v = redis.call('HMGET', KEYS[1], 't', 'ts')
-  local tokens, ts = tonumber(v[1]), tonumber(v[2])
-  local rate = limit / 60000.0
-  if tokens == nil or ts == nil then tokens = limit; ts = now end
-  if now > ts then tokens = tokens + (now - ts) * rate end
-  tokens = math.min(limit, tokens + refund)
-  redis.call('HSET', KEYS[1], 't', string.format('%.17g', tokens), 'ts', string.format('%.17g', now))
-  redis.call('PEXPIRE', KEYS[1], math.ceil((limit - tokens) / rate) + 1000)
+  local now = clock_ms(ARGV[4])
+  local tokens, rate = bucket_level(KEYS[1], limit, now)
+  bucket_store(KEYS[1], limit, math.min(limit, tokens + refund), rate, now)
 end
 return had
 """
+
+
+def bucket_level(tokens: float, at_ms: float, now_ms: float, limit: float) -> float:
+    """Tokens in a bucket of capacity `limit` at `now_ms` that held `tokens` at `at_ms`: the refill
+    rule of gateway/bucket.lua in Python, operation for operation (continuous refill at
+    ``limit / 60000`` per ms, capped at `limit`), so the local buckets of gateway/outage.py decide
+    exactly as Redis does (tests/integration/test_bucket_parity.py)."""
+    if now_ms > at_ms:
+        tokens = tokens + (now_ms - at_ms) * (limit / 60000.0)
+    return limit if tokens > limit else tokens
+
+
+def bucket_wait_ms(tokens: float, need: float, limit: float) -> float:
+    """Milliseconds until a bucket of capacity `limit` holding `tokens` holds `need` (admission.lua's
+    retry and reset figures; callers round up)."""
+    return (need - tokens) / (limit / 60000.0)
 
 _RENEW_LUA = """
 -- KEYS: 1 leases zset, 2 leases hash, 3 lease ends hash. ARGV: 1 ttl (ms), 2 lease id, 3 expected
@@ -222,6 +232,8 @@ class Admission:
         self.prefix = prefix
         self.lease_ttl_s = lease_ttl_s
         self.on_scripts_lost: Callable[[], Awaitable[None]] | None = None
+        # () -> the scripts' clock in ms; None: Redis TIME (production). Tests drive time with it.
+        self.clock_ms: Callable[[], float] | None = None
         self.scripts_lost = 0  # times Redis was found without the scripts
         self._admit = redis.register_script(_ADMIT_LUA)
         self._settle = redis.register_script(_SETTLE_LUA)
@@ -254,7 +266,8 @@ class Admission:
             return await self.redis.evalsha(self._admit.sha, len(keys), *keys, *args)
 
     @staticmethod
-    def _decision(raw: list, tenant: TenantConfig, lease: Lease | None) -> Decision:
+    def decision(raw: list, tenant: TenantConfig, lease: Lease | None) -> Decision:
+        """The `Decision` of the admission script's answer `raw` (`lease`: the one it was asked to admit)."""
         vals = [int(x) for x in raw]
         admitted, reason, rl, rrem, rreset, tl, trem, treset, retry_ms, inflight, conc = vals
         state = RateLimitState(
@@ -269,12 +282,27 @@ class Admission:
         lim = tenant.limits
         args = [mode, _lim(lim.rpm), _lim(lim.tpm), _lim(lim.max_inflight_tokens), _lim(lim.max_concurrent_requests),
                 int(cost), lease_id, int(self.lease_ttl_s * 1000),
-                -1 if expected_s is None else max(0, round(expected_s * 1000))]
+                -1 if expected_s is None else max(0, round(expected_s * 1000)), self._now_arg()]
         if lim.max_inflight_tokens is not None or lim.max_concurrent_requests is not None:
             hints = sorted((ms, le.lease_id) for le in running if not le.settled and (ms := le.remaining_ms()) >= 0)
             for ms, lid in hints[:MAX_HINTS]:
                 args += [lid, ms]
         return args
+
+    def _now_arg(self) -> str:
+        return "-1" if self.clock_ms is None else repr(float(self.clock_ms()))
+
+    def release_args(self, tenant_id: str, lease_id: str, refund: int, tpm_limit: int | None) -> tuple[list, list]:
+        """(keys, args) of the settle script for `release`."""
+        k = self.keys(tenant_id)
+        return ([k[1], k[2], k[3], self.ends_key(tenant_id)],
+                [_lim(tpm_limit), lease_id, int(refund), self._now_arg()])
+
+    def admit_args(self, tenant: TenantConfig, cost: int, lease_id: str, expected_s: float | None = None,
+                   running: Iterable[Lease] = (), mode: str = "admit") -> tuple[list, list]:
+        """(keys, args) of the admission script (`admit`; ``mode="peek"``: `peek`)."""
+        return (self.keys(tenant.id) + [self.ends_key(tenant.id)],
+                self._args(mode, tenant, cost, lease_id, expected_s, running))
 
     async def admit(self, tenant: TenantConfig, cost: int, lease_id: str | None = None, *,
                     expected_s: float | None = None, running: Iterable[Lease] = ()) -> Decision:
@@ -286,16 +314,14 @@ class Admission:
         On success the decision carries a `Lease` that must be settled with `settle`.
         """
         lease_id = lease_id or uuid.uuid4().hex
-        raw = await self._eval_admit(self.keys(tenant.id) + [self.ends_key(tenant.id)],
-                                     self._args("admit", tenant, cost, lease_id, expected_s, running))
+        raw = await self._eval_admit(*self.admit_args(tenant, cost, lease_id, expected_s, running))
         lease = Lease(tenant.id, lease_id, int(cost), tenant.limits.tpm)
-        return self._decision(raw, tenant, lease)
+        return self.decision(raw, tenant, lease)
 
     async def peek(self, tenant: TenantConfig) -> Decision:
         """Report the tenant's buckets and leases without charging anything."""
-        raw = await self._eval_admit(self.keys(tenant.id) + [self.ends_key(tenant.id)],
-                                     self._args("peek", tenant, 0, "-"))
-        return self._decision(raw, tenant, None)
+        raw = await self._eval_admit(*self.admit_args(tenant, 0, "-", mode="peek"))
+        return self.decision(raw, tenant, None)
 
     async def settle(self, lease: Lease, used_tokens: int) -> bool:
         """Release `lease` and refund ``lease.tokens - used_tokens`` TPM tokens (never negative).
@@ -313,10 +339,8 @@ class Admission:
         """Remove a lease and, only if it was still held, refund `refund` tokens to the TPM bucket of
         limit `tpm_limit` (None: no refund). No guard on this side: safe to repeat (a second call finds
         no lease and refunds nothing). Returns True when the lease was held."""
-        k = self.keys(tenant_id)
-        had = await self._settle(keys=[k[1], k[2], k[3], self.ends_key(tenant_id)],
-                                 args=[_lim(tpm_limit), lease_id, int(refund)])
-        return bool(had)
+        keys, args = self.release_args(tenant_id, lease_id, refund, tpm_limit)
+        return bool(await self._settle(keys=keys, args=args))
 
     async def renew(self, leases: list[Lease]) -> int:
         """Extend every live lease by the TTL in one pipelined round trip; returns how many were renewed."""

@@ -51,6 +51,7 @@ from redis.exceptions import RedisError
 from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig, Tier
 from fairshare.telemetry import make_tracer_provider
+from fairshare.wire import TIER_ENUMS
 from fairshare.v1 import worker_pb2 as pb
 
 from . import schemas
@@ -65,6 +66,7 @@ from .logprobs import CompletionLogprobs, TokenTexts, chat_content
 from .metrics import UNKNOWN_TENANT, GatewayMetrics
 from .openapi import openapi_document
 from .outage import AdmissionControl, RedisUnavailable
+from .pool_view import PoolRuntime
 from .progress import OutputRates
 from .routing import Generation, ModelEntry, WorkerPool, start_generation
 from .sse import DONE, SSEResponse, event
@@ -72,11 +74,10 @@ from .structured import grammar_for
 from .tokenization import TemplateError, load_tokenizer_dir
 from .tools import ToolCallParser, ToolCallStream, get_parser
 from .tracing import end_request_span, gateway_tracer, set_error
+from .watch import RequestWatch
 
 log = logging.getLogger("fairshare.gateway")
 
-_TIERS = {Tier.INTERACTIVE: pb.TIER_INTERACTIVE, Tier.BATCH: pb.TIER_BATCH, Tier.BACKGROUND: pb.TIER_BACKGROUND}
-_BACKGROUND: set[asyncio.Task] = set()  # strong references to detached settlement tasks
 
 
 @dataclass
@@ -189,11 +190,13 @@ class Session:
         self.finished = False
         self.client_gone = False
         self.stop_reason: str | None = None  # set by stop(): the server ends the request (drain deadline)
-        self.stopped = asyncio.Event()
         self.deadline_info = deadline or Deadline(None, None)  # whose deadline, when (gateway/deadlines.py)
         self.deadline: float | None = self.deadline_info.at  # time.monotonic(); the gRPC deadline of each call
-        self.start_task: asyncio.Future | None = None  # starting the generations (until their first tokens)
-        self._settle_task: asyncio.Task | None = None
+        self._watch: RequestWatch | None = None  # the request's one task: disconnect watch, then settlement
+        self._starting: asyncio.Task | None = None  # the handler, while it waits for the first tokens
+        # a stream's start, in a task of its own once it outlasts the keep-alive grace (its body then
+        # sends keep-alive comments until the first token; gateway/keepalive.py)
+        self.start_task: asyncio.Future | None = None
         self.first_token_at: float | None = None
         self.trace_ctx = otel_context.get_current()  # the request span's context: parent of worker calls
         self.stream_span: trace.Span = trace.INVALID_SPAN  # first token -> settlement
@@ -251,17 +254,48 @@ class Session:
         p, c, k = self.usage()
         return schemas.usage_dict(p, c, k)
 
+    def watch(self, request: Request) -> None:
+        """Start the request's one task: it watches the client's connection until the request ends,
+        then settles it (gateway/watch.py). Call once, after admission."""
+        self._watch = RequestWatch(request.receive, self.on_client_gone, self._do_settle)
+
+    async def until_started(self, coro):
+        """Await `coro` (the wait for the first tokens, in the caller's task) and return its result; a
+        disconnect or `stop()` meanwhile interrupts it (cancelling the gRPC calls it has open, and a
+        stream's start task): APIError 499 or 503."""
+        task = asyncio.current_task()
+        self._starting = task
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if not (self.client_gone or self.stop_reason is not None):
+                raise  # cancelled from elsewhere
+            if hasattr(task, "uncancel"):  # Python >= 3.11 counts cancellations
+                task.uncancel()
+            if self.client_gone:
+                raise APIError(499, "Client closed the request.", "invalid_request_error", None,
+                               "client_closed_request") from None
+            raise unavailable(self.stop_reason or "The request was stopped.", retry_after_s=1) from None
+        finally:
+            self._starting = None
+
+    def _interrupt(self) -> None:
+        """Cancel every gRPC stream (the workers abort) and a wait for the first tokens."""
+        for j in self.jobs:
+            if j.gen is not None:
+                j.gen.cancel()
+        if self._starting is not None:
+            self._starting.cancel()
+        if self.start_task is not None:
+            self.start_task.cancel()
+
     def on_client_gone(self) -> None:
         """The client disconnected: cancel every gRPC stream (the workers abort)."""
         if self.finished or self.client_gone:
             return
         self.client_gone = True
         self.gw.metrics.disconnects.labels(self.tenant.id).inc()
-        if self.start_task is not None:
-            self.start_task.cancel()
-        for j in self.jobs:
-            if j.gen is not None:
-                j.gen.cancel()
+        self._interrupt()
 
     def stop(self, reason: str) -> None:
         """End the request from the server side (the gateway is shutting down): cancel its gRPC streams;
@@ -269,21 +303,14 @@ class Session:
         if self.finished or self.client_gone or self.stop_reason is not None:
             return
         self.stop_reason = reason
-        self.stopped.set()
-        if self.start_task is not None:
-            self.start_task.cancel()
-        for j in self.jobs:
-            if j.gen is not None:
-                j.gen.cancel()
+        self._interrupt()
 
     async def settle(self) -> None:
         """Cancel what still runs, refund unused TPM and release the lease; idempotent, and completes
         even when the caller is cancelled."""
-        if self._settle_task is None:
-            self._settle_task = asyncio.ensure_future(self._do_settle())
-            _BACKGROUND.add(self._settle_task)
-            self._settle_task.add_done_callback(_BACKGROUND.discard)
-        await asyncio.shield(self._settle_task)
+        if self._watch is None:  # never watched (settled right after admission): settle in a task all the same
+            self._watch = RequestWatch(None, self.on_client_gone, self._do_settle)
+        await self._watch.close()
 
     async def _do_settle(self) -> None:
         for j in self.jobs:
@@ -477,10 +504,9 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
 
             admin, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=metrics.registry)
             log.info("gateway metrics on http://%s:%d/metrics", settings.metrics_host, admin.server_port)
-        pool = WorkerPool(settings.workers, health_interval_s=settings.health_interval_s,
-                          health_timeout_s=settings.health_timeout_s, local_tokenizer=local_tok, metrics=metrics)
-        await pool.start(wait_s=0.0)
-        await pool.poll_once()
+        runtime = PoolRuntime(settings, redis, control, metrics, local_tok)  # workers, routing, replicas
+        await runtime.start()
+        pool = runtime.pool
         app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer, rates=rates,
                                signer=signer)
         try:
@@ -493,7 +519,7 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
             if gw._drain_task is not None:
                 gw._drain_task.cancel()
             await cancel_and_wait(watcher)
-            await pool.stop()
+            await runtime.stop()
             await control.stop()
             await redis.aclose()
             if admin is not None:
@@ -502,7 +528,11 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
             if owned_provider is not None:
                 owned_provider.shutdown()  # flushes batched spans
 
-    app = FastAPI(title="FairShare gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # FastAPI's own OpenTelemetry instrumentation stays off: the gateway traces requests itself
+    # (gateway.request is the SERVER span) and counts them in Prometheus; left on, it would check the
+    # global providers on every request and, with one installed, add a second server span
+    app = FastAPI(title="FairShare gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  telemetry={"tracing": False, "metrics": False, "logs": False})
     install_handlers(app)
     metrics_token = settings.metrics_token_value()
     openapi_doc = openapi_document()
@@ -522,8 +552,9 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
         gw = gw_of(request)
-        workers = [{"addr": w.addr, "healthy": w.healthy, "agrees": w.agrees, "model": w.model,
-                    "inflight_tokens": w.load_score(), "error": w.last_error or None} for w in gw.pool.workers]
+        workers = [{"addr": w.addr, "worker_id": w.worker_id or None, "healthy": w.healthy, "agrees": w.agrees,
+                    "retired": w.retired, "usable": w.usable, "model": w.model, "inflight_tokens": w.load_score(),
+                    "error": w.last_error or None} for w in gw.pool.workers]
         try:
             redis_ok = bool(await gw.redis.ping())
         except (RedisError, OSError):
@@ -591,7 +622,8 @@ async def _serve(gw: Gateway, request: Request, kind: str):
     m = gw.metrics
     span = gw.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes={
         "http.request.method": request.method, "http.route": request.url.path, "fairshare.endpoint": endpoint})
-    token = otel_context.attach(trace.set_span_in_context(span))
+    # the request span parents the others; an untraced one (tracing off) is not worth attaching
+    token = otel_context.attach(trace.set_span_in_context(span)) if span.get_span_context().is_valid else None
     ended = False
     try:
         try:
@@ -639,7 +671,8 @@ async def _serve(gw: Gateway, request: Request, kind: str):
             end_request_span(span, 500, "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
         raise
     finally:
-        otel_context.detach(token)
+        if token is not None:
+            otel_context.detach(token)
 
 
 async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: Principal, t0: float):
@@ -770,26 +803,40 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
                       plan, deadline=deadline)
     lease.remaining_s = lambda: gw.rates.remaining_s(model, jobs)  # refreshed in Redis at each renewal
     gw.live.add(session)
+    session.watch(request)
 
-    # until the first token (which may wait in the worker's queue), still watching the client; a stream
-    # answers at the latest after the keep-alive grace and keeps the connection alive (gateway/keepalive.py)
-    # (the routing span is current in the start task and ends with it, past the response's start)
+    # until the first token (which may wait in the worker's queue), still watching the client: the
+    # request's watch interrupts the wait (499; 503 on stop). A non-streamed request waits in this task.
+    # A stream waits here at most the keep-alive grace: its start runs in a task of its own, so that the
+    # response can begin and keep the connection alive while it runs on (gateway/keepalive.py); errors
+    # within the grace still get their own status. The routing span ends with the start.
     route_span = gw.tracer.start_span("gateway.routing", attributes={"fairshare.model": model,
                                                                      "fairshare.choices": len(jobs)})
-    token = otel_context.attach(trace.set_span_in_context(route_span))
     try:
-        start = session.start_task = asyncio.ensure_future(_start_all(gw, session, req))
-    finally:
-        otel_context.detach(token)
-    start.add_done_callback(lambda task: _end_routing_span(route_span, task))
-    grace = gw.settings.keepalive_interval_s if req.stream else None
-    try:
-        started = await _unless_client_leaves(session, request, keepalive.started_within(start, grace))
-        if not started and route_span.is_recording():
-            route_span.set_attribute("fairshare.keepalive", True)
+        if req.stream:
+            token = otel_context.attach(trace.set_span_in_context(route_span))  # current in the start task
+            try:
+                start = session.start_task = asyncio.ensure_future(_start_all(gw, session, req))
+            finally:
+                otel_context.detach(token)
+            start.add_done_callback(lambda task: _end_routing_span(route_span, task))
+            if not await session.until_started(keepalive.started_within(start, gw.settings.keepalive_interval_s)):
+                if route_span.is_recording():
+                    route_span.set_attribute("fairshare.keepalive", True)
+        else:
+            try:
+                with trace.use_span(route_span, end_on_exit=False, record_exception=False,
+                                    set_status_on_exception=False):
+                    await session.until_started(_start_all(gw, session, req))
+            except BaseException as e:
+                set_error(route_span, e.code if isinstance(e, APIError) else
+                          "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
+                raise
+            finally:
+                route_span.end()
     except BaseException:
-        start.cancel()
-        await asyncio.gather(start, return_exceptions=True)
+        if session.start_task is not None:
+            await cancel_and_wait(session.start_task)
         await session.settle()
         raise
     session.stream_span = gw.tracer.start_span("gateway.streaming", context=session.trace_ctx,
@@ -798,7 +845,7 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
         stream = _chat_stream(session, req) if kind == "chat" else _text_stream(session, req)
         return session, stream
     try:
-        body = await _collect(session, request, kind)
+        body = await _collect(session, kind)
     finally:
         await session.settle()
     return session, body
@@ -872,7 +919,7 @@ def _generate_request(session: Session, job: Job, req) -> pb.GenerateRequest:
     rid = session.rid if len(session.jobs) == 1 else f"{session.rid}.{job.index}"
     return pb.GenerateRequest(
         request_id=rid,
-        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=_TIERS[t.tier], cache_namespace=session.principal.cache_namespace),
+        tenant=pb.Tenant(id=t.id, weight=t.weight, tier=TIER_ENUMS[t.tier]),
         prompt_token_ids=job.prompt_ids, sampling=sp, cache_salt=req.cache_salt or "")
 
 
@@ -983,55 +1030,22 @@ def _check_finished(session: Session) -> None:
             raise unavailable("The worker aborted the request.", retry_after_s=retry_s)
 
 
-async def _wait_disconnect(request: Request) -> None:
-    """Return when the client has disconnected (the request body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _unless_client_leaves(session: Session, request: Request, coro):
-    """Await `coro`; when the client disconnects first, cancel it and the gRPC streams and raise 499;
-    when the server stops the request first (drain deadline), cancel it and raise 503."""
-    work = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    stopper = asyncio.ensure_future(session.stopped.wait())
+async def _collect(session: Session, kind: str) -> dict[str, Any]:
+    """Run a non-streamed request to the end (a disconnect or `Session.stop` cancels its gRPC calls:
+    APIError 499 / 503)."""
     try:
-        done, _ = await asyncio.wait({work, watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        if work not in done:
-            if watcher in done:
-                session.on_client_gone()
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            if watcher in done:
-                raise APIError(499, "Client closed the request.", "invalid_request_error", None,
-                               "client_closed_request")
-            raise unavailable(session.stop_reason or "The request was stopped.", retry_after_s=1)
-        return work.result()
-    finally:
-        watcher.cancel()
-        stopper.cancel()
-        if not work.done():
-            work.cancel()
-
-
-async def _collect(session: Session, request: Request, kind: str) -> dict[str, Any]:
-    """Run a non-streamed request to the end; cancel it when the client goes away."""
-
-    async def consume() -> None:
-        try:
-            async with aclosing(_merged(session)) as messages:
-                async for job, msg in messages:
-                    session.record(job, msg)
-        except grpc.aio.AioRpcError as e:
-            raise _stream_failure(session, e) from None
-        except asyncio.CancelledError:  # our own cancellation, or a call cancelled by stop()
-            if session.stop_reason is not None:
-                raise _stream_failure(session, asyncio.CancelledError()) from None
-            raise
-
-    await _unless_client_leaves(session, request, consume())
+        async with aclosing(_merged(session)) as messages:
+            async for job, msg in messages:
+                session.record(job, msg)
+    except grpc.aio.AioRpcError as e:
+        raise _stream_failure(session, e) from None
+    except asyncio.CancelledError:  # our own cancellation, or a call cancelled by a disconnect or stop()
+        if session.client_gone:
+            raise APIError(499, "Client closed the request.", "invalid_request_error", None,
+                           "client_closed_request") from None
+        if session.stop_reason is not None:
+            raise _stream_failure(session, asyncio.CancelledError()) from None
+        raise
     _check_finished(session)
     session.finished = True
     created = int(time.time())
@@ -1080,7 +1094,7 @@ def _chat_stream(session: Session, req: schemas.ChatCompletionRequest) -> AsyncI
         return event(schemas.chat_chunk(session.rid, created, session.model, fp, index, delta, finish, None,
                                         with_usage, logprobs))
 
-    async def body(job: Job, msg) -> list[bytes]:
+    def body(job: Job, msg) -> list[bytes]:
         out = []
         text = session.record(job, msg)
         calls: list[dict[str, Any]] = []
@@ -1095,7 +1109,7 @@ def _chat_stream(session: Session, req: schemas.ChatCompletionRequest) -> AsyncI
         for call in calls:
             out.append(chunk(job.index, {"tool_calls": [{"index": job.calls_sent, **call}]}))
             job.calls_sent += 1
-        if job.finish_reason is not None:
+        if job.finish_reason not in (None, "abort"):  # an abort is answered with an error event (_stream)
             out.append(chunk(job.index, {}, _finish_reason(job, job.calls_sent > 0)))
         return out
 
@@ -1118,7 +1132,7 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
         return event(schemas.text_chunk(session.rid, created, session.model, fp, index, text, finish, None,
                                         with_usage, logprobs))
 
-    async def body(job: Job, msg) -> list[bytes]:
+    def body(job: Job, msg) -> list[bytes]:
         out = []
         text = session.record(job, msg)
         logprobs = None
@@ -1128,7 +1142,7 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
                 logprobs = None
         if text or logprobs:
             out.append(chunk(job.index, text, logprobs=logprobs))
-        if job.finish_reason is not None:
+        if job.finish_reason not in (None, "abort"):  # an abort is answered with an error event (_stream)
             out.append(chunk(job.index, "", job.finish_reason))
         return out
 
@@ -1139,29 +1153,32 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
 
 
 async def _stream(session: Session, opening: list[bytes], body, usage_event) -> AsyncIterator[bytes]:
-    """The SSE body: keep-alive comments until the first token, opening chunks, content chunks, (usage
-    chunk), ``[DONE]``; settles in every case."""
+    """The SSE body: keep-alive comments until the first token (when the response began before it),
+    opening chunks, content chunks, (usage chunk), ``[DONE]``; settles in every case. `body(job, msg)`
+    gives the chunks of one worker message (all its tokens), written at once."""
     try:
         start = session.start_task
         if start is not None and not start.done():  # answered before the first token: keep the line alive
             async for b in keepalive.comments(start, session.gw.settings.keepalive_interval_s):
                 yield b
+        if start is not None:
             try:
                 start.result()
             except APIError as e:
                 yield event(e.body())
                 return
             except asyncio.CancelledError:
-                if session.stop_reason is not None:
+                if session.stop_reason is not None and not session.client_gone:
                     yield event(unavailable(session.stop_reason, retry_after_s=1).body())
                 return
-        for b in opening:
-            yield b
+        if opening:
+            yield b"".join(opening)
         try:
             async with aclosing(_merged(session)) as messages:
                 async for job, msg in messages:
-                    for b in await body(job, msg):
-                        yield b
+                    chunks = body(job, msg)
+                    if chunks:
+                        yield b"".join(chunks)
             _check_finished(session)
         except APIError as e:
             if not session.client_gone:
@@ -1178,9 +1195,7 @@ async def _stream(session: Session, opening: list[bytes], body, usage_event) -> 
         session.finished = True
         await session.settle()  # before [DONE]: a client that saw [DONE] sees its lease released
         u = usage_event()
-        if u is not None:
-            yield u
-        yield DONE
+        yield DONE if u is None else u + DONE
     finally:
         await session.settle()
         session.gw.metrics.latency.labels(session.tenant.id, session.endpoint).observe(

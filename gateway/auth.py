@@ -40,11 +40,6 @@ def key_digest(secret: bytes, key: str) -> str:
     return hmac.new(secret, b"api-key:" + key.encode("utf-8"), hashlib.sha256).hexdigest()
 
 
-def cache_namespace(secret: bytes, tenant_id: str) -> str:
-    """The tenant's cache namespace sent to workers: hex HMAC-SHA256(secret, ``cache-ns:`` + id)."""
-    return hmac.new(secret, b"cache-ns:" + tenant_id.encode("utf-8"), hashlib.sha256).hexdigest()
-
-
 def new_key() -> str:
     """A fresh random API key (``sk-fs-`` + 256 bits, url-safe base64)."""
     return KEY_PREFIX + secrets.token_urlsafe(32)
@@ -134,10 +129,10 @@ def bearer_key(authorization: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class Principal:
-    """An authenticated caller: the tenant the key belongs to and its derived cache namespace."""
+    """An authenticated caller: the tenant the key belongs to. (Prefix-cache namespaces are derived
+    by the workers from the tenant id, worker/cache/namespace.py, never by the gateway.)"""
 
     tenant: TenantConfig
-    cache_namespace: str
 
 
 class TenantDirectory:
@@ -159,7 +154,6 @@ class TenantDirectory:
         self._bad_stamp: tuple | None = None  # files as they were when a reload last failed
         self._tenants: dict[str, TenantConfig] = {}
         self._by_digest: dict[str, str] = {}
-        self._ns: dict[str, str] = {}
         if tenants is not None or keys is not None:
             self._install(tenants or TenantsFile(), keys or KeysFile())
         else:
@@ -190,7 +184,6 @@ class TenantDirectory:
         with self._lock:
             self._tenants = by_id
             self._by_digest = by_digest
-            self._ns = {tid: cache_namespace(self._secret, tid) for tid in by_id}
 
     def reload(self) -> None:
         """Re-read the tenants and keys files now. Raises on a malformed file."""
@@ -245,7 +238,7 @@ class TenantDirectory:
 
     def principal_for(self, tenant_id: str) -> Principal:
         """The principal of a known tenant (raises KeyError otherwise)."""
-        return Principal(self._tenants[tenant_id], self._ns[tenant_id])
+        return Principal(self._tenants[tenant_id])
 
     def authenticate(self, authorization: str | None) -> Principal:
         """Map an ``Authorization`` header to its tenant. Raises APIError 401 when missing or unknown."""
@@ -260,5 +253,5 @@ class TenantDirectory:
         return self.principal_for(tenant_id)
 
 
-__all__ = ["APIError", "Principal", "TenantDirectory", "bearer_key", "cache_namespace", "check_imported_key",
+__all__ = ["APIError", "Principal", "TenantDirectory", "bearer_key", "check_imported_key",
            "create_key", "key_digest", "new_key", "revoke_key", "store_key"]

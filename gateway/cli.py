@@ -6,7 +6,11 @@ Gateway
 
     fairshare gateway [--host 127.0.0.1] [--port 8000]
                       [--tenants FILE]                  # tenants YAML (see fairshare/config.py)
-                      [--workers host:port[,host:port]] # gRPC workers, comma-separated
+                      [--workers ENTRY[,ENTRY]]         # gRPC workers: host:port, dns:///name:port (all
+                                                        # its A/AAAA records, re-resolved), file:///path
+                      [--discovery-interval-s 5] [--unhealthy-after 3]
+                      [--routing fair|prefix|least-loaded] [--route-prefix-tokens 32]
+                      [--route-load-factor 1.25] [--route-slack-tokens 4096] [--route-spill-units 1024]
                       [--redis-url redis://127.0.0.1:6379/0] [--redis-cluster]
                       [--secret-file FILE]              # server secret (alternative: FAIRSHARE_SECRET)
                       [--keys-file FILE]                # default: <tenants stem>.keys.yaml next to FILE
@@ -19,7 +23,9 @@ Gateway
                                                         # or degrade (local buckets at limit/replicas);
                                                         # '{"interactive":"degrade"}', 'batch=degrade,...'
                                                         # or one policy for all (default fail_closed)
-                      [--replicas 1]                    # gateway replicas sharing the limits
+                      [--replicas 1]                    # floor of the live replica count that degraded
+                                                        # buckets divide by (replicas register in Redis)
+                      [--replica-ttl-s 10]
                       [--redis-timeout-s 2] [--drain-timeout-s 10] [--request-timeout-s S]
                       [--tier-request-timeout-s interactive=600,batch=none] [--keepalive-interval-s 15]
                       [--worker-keys-file FILE] [--worker-token-ttl-s 60] [--no-worker-auth]
@@ -36,7 +42,10 @@ Every flag has an environment variable read with pydantic-settings (flags win ov
 ``FAIRSHARE_SECRET`` (the secret itself),
 ``FAIRSHARE_SECRET_FILE``, ``FAIRSHARE_KEYS_FILE``, ``FAIRSHARE_TOKENIZER``,
 ``FAIRSHARE_LEASE_TTL_S``, ``FAIRSHARE_LOG_LEVEL``, ``FAIRSHARE_OTEL_EXPORTER``,
-``FAIRSHARE_REDIS_OUTAGE_POLICY``, ``FAIRSHARE_GATEWAY_REPLICAS``, ``FAIRSHARE_REDIS_TIMEOUT_S``,
+``FAIRSHARE_REDIS_OUTAGE_POLICY``, ``FAIRSHARE_GATEWAY_REPLICAS``, ``FAIRSHARE_REPLICA_TTL_S``,
+``FAIRSHARE_DISCOVERY_INTERVAL_S``, ``FAIRSHARE_HEALTH_FAILURES``, ``FAIRSHARE_ROUTING``,
+``FAIRSHARE_ROUTE_PREFIX_TOKENS``, ``FAIRSHARE_ROUTE_LOAD_FACTOR``, ``FAIRSHARE_ROUTE_SLACK_TOKENS``,
+``FAIRSHARE_ROUTE_SPILL_UNITS``, ``FAIRSHARE_REDIS_TIMEOUT_S``,
 ``FAIRSHARE_DRAIN_TIMEOUT_S``, ``FAIRSHARE_REQUEST_TIMEOUT_S``, ``FAIRSHARE_MAX_BODY_BYTES``,
 ``FAIRSHARE_METRICS_PORT``, ``FAIRSHARE_METRICS_HOST``, ``FAIRSHARE_METRICS_TOKEN`` (the token itself),
 ``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS``, ``FAIRSHARE_TIER_REQUEST_TIMEOUT_S``,
@@ -111,7 +120,9 @@ def _settings_from_args(args: argparse.Namespace):
                  "redis_timeout_s", "drain_timeout_s", "request_timeout_s", "max_body_bytes", "metrics_port",
                  "metrics_host", "metrics_token_file", "public_metrics", "tier_request_timeout_s",
                  "keepalive_interval_s", "worker_keys_file", "worker_auth", "worker_token_ttl_s",
-                 "default_max_tokens", "tool_call_parser"):
+                 "default_max_tokens", "tool_call_parser",
+                 "discovery_interval_s", "unhealthy_after", "routing", "route_prefix_tokens", "route_load_factor",
+                 "route_slack_tokens", "route_spill_units", "replica_ttl_s"):
         v = getattr(args, name, None)
         if v is not None:
             overrides[name] = v
@@ -128,7 +139,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--tenants", dest="tenants_file", help="tenants YAML file")
     p.add_argument("--keys-file", dest="keys_file", help="API-key digests file (default <tenants stem>.keys.yaml)")
-    p.add_argument("--workers", help="gRPC workers, host:port[,host:port]")
+    p.add_argument("--workers", help="gRPC workers, comma-separated: host:port, dns:///name:port (every A/AAAA "
+                   "record of the name, e.g. the workers' headless Service; re-resolved) or file:///path (one "
+                   "host:port per line; re-read)")
+    p.add_argument("--discovery-interval-s", dest="discovery_interval_s", type=float,
+                   help="re-resolve dns:/file: worker entries this often (default 5 s)")
+    p.add_argument("--unhealthy-after", dest="unhealthy_after", type=int,
+                   help="late health polls in a row before a SERVING worker leaves routing (default 3; "
+                        "NOT_SERVING, draining and a refused connection take it out at once)")
+    p.add_argument("--routing", choices=["fair", "prefix", "least-loaded"],
+                   help="fair (default: prefix affinity, spilling tenants whose pool-wide share lags), prefix "
+                        "(tenant namespace + prompt head affinity with a load bound) or least-loaded")
+    p.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
+                   help="prompt tokens in the prefix route key (default 32; 0: tenant affinity only)")
+    p.add_argument("--route-load-factor", dest="route_load_factor", type=float,
+                   help="a worker over factor x mean in-flight tokens + slack gets no affine request (default 1.25)")
+    p.add_argument("--route-slack-tokens", dest="route_slack_tokens", type=int,
+                   help="in-flight tokens a worker may hold above the bound's mean share (default 4096)")
+    p.add_argument("--route-spill-units", dest="route_spill_units", type=float,
+                   help="fair routing: lag in weighted service units beyond which a tenant spills (default 1024)")
     p.add_argument("--redis-url", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")
     p.add_argument("--redis-cluster", dest="redis_cluster", action="store_true", default=None,
                    help="the URL names a node of a Redis Cluster")
@@ -144,8 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per tier while Redis is unreachable: fail_closed (503, default) or degrade (this replica's "
                         "buckets at limit/replicas); JSON, tier=policy,... or one policy for every tier")
     p.add_argument("--replicas", dest="gateway_replicas", type=int,
-                   help="gateway replicas sharing the tenants' limits (degraded buckets hold limit/replicas; "
-                        "default 1)")
+                   help="floor of the gateway replica count: replicas register in Redis and degraded buckets hold "
+                        "limit / max(this, live replicas last seen) (default 1)")
+    p.add_argument("--replica-ttl-s", dest="replica_ttl_s", type=float,
+                   help="a replica's registration in Redis expires after this long without a heartbeat (default 10)")
     p.add_argument("--redis-timeout-s", dest="redis_timeout_s", type=float,
                    help="timeout of each Redis call in seconds (default 2)")
     p.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float,

@@ -58,7 +58,19 @@ class GatewaySettings(BaseSettings):
     port: int = 8000
     tenants_file: Path | None = None
     keys_file: Path | None = None
+    # worker entries: host:port, dns:///name:port (every A/AAAA record), file:///path (re-read);
+    # gateway/discovery.py
     workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    discovery_interval_s: float = Field(default=5.0, gt=0)  # re-resolve dns/file entries this often
+    unhealthy_after: int = Field(default=3, ge=1)  # late health polls in a row before a SERVING worker leaves
+    # routing (gateway/routing_policy.py): least-loaded, prefix (namespace + prompt head affinity with a
+    # load bound) or fair (prefix + spill of tenants whose pool-wide share lags)
+    routing: Literal["least-loaded", "prefix", "fair"] = "fair"
+    route_prefix_tokens: int = Field(default=32, ge=0)  # prompt tokens in the route key
+    route_load_factor: float = Field(default=1.25, ge=1.0)  # bound: factor x mean load + slack
+    route_slack_tokens: int = Field(default=4096, ge=0)
+    route_spill_units: float = Field(default=1024.0, gt=0)  # lag (weighted service units) that spills
+    pool_board_interval_s: float = Field(default=0.1, gt=0)  # read the workers' pool board this often
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False
     secret: SecretStr | None = None
@@ -89,7 +101,9 @@ class GatewaySettings(BaseSettings):
     # Env: JSON '{"interactive":"degrade","batch":"fail_closed"}', "tier=policy,..." or one policy for
     # every tier. Tiers not named fail closed.
     redis_outage_policy: Annotated[dict[Tier, OutagePolicy], NoDecode] = Field(default_factory=dict)
-    gateway_replicas: int = Field(default=1, ge=1)  # replicas sharing the tenants' limits (degrade mode)
+    # degrade mode divides limits by the live replica count (gateway/replicas.py), never below this floor
+    gateway_replicas: int = Field(default=1, ge=1)
+    replica_ttl_s: float = Field(default=10.0, gt=0)  # a replica's registration lives this long unrenewed
     redis_timeout_s: float = Field(default=2.0, gt=0)  # socket timeout of every Redis call
     redis_probe_interval_s: float = Field(default=0.5, gt=0)  # while Redis is down: PING this often
     drain_timeout_s: float = Field(default=10.0, ge=0)  # SIGTERM: open requests may finish this long
@@ -234,6 +248,11 @@ class GatewaySettings(BaseSettings):
         """``fail_closed`` or ``degrade``: what `tier` gets while Redis is unreachable."""
         return self.redis_outage_policy.get(Tier(tier), "fail_closed")
 
+    def routing_options(self) -> dict:
+        """`gateway.routing_policy.make_routing` options from these settings."""
+        return {"prefix_tokens": self.route_prefix_tokens, "load_factor": self.route_load_factor,
+                "slack_tokens": self.route_slack_tokens, "spill_units": self.route_spill_units}
+
     @field_validator("otel_exporter", mode="before")
     @classmethod
     def _lower_exporter(cls, v):
@@ -248,6 +267,14 @@ class GatewaySettings(BaseSettings):
 
                 return json.loads(v)
             return [w.strip() for w in v.split(",") if w.strip()]
+        return v
+
+    @field_validator("workers", mode="after")
+    @classmethod
+    def _check_workers(cls, v):
+        from .discovery import parse_sources
+
+        parse_sources(v)  # ValueError names the malformed entry
         return v
 
     def resolved_keys_file(self) -> Path | None:

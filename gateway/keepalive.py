@@ -15,6 +15,12 @@ interpretation": the line is ignored); the official openai-python client's decod
 decoder and a real client). An error after the headers (the deadline, no worker) becomes the
 stream's last ``data:`` event, in OpenAI's error shape.
 
+How it runs (gateway/app.py): a stream's start (routing, retries, the wait for the first tokens) is
+a task of its own; the handler waits for it at most the grace (`started_within`), then returns the
+SSE response, whose body sends `comments` until the task is done. A disconnect or the gateway's
+stop cancels the task (the request's `gateway.watch.RequestWatch` notices them). A non-streamed
+request waits in the handler's own task.
+
 Non-streamed requests get nothing before their body: a status line cannot be taken back, so
 sending bytes early (even JSON-legal leading whitespace) would turn every later error into a 200.
 Clients that may queue long should stream, or the proxy's idle timeout must exceed the deadline.

@@ -39,6 +39,12 @@ class GatewayMetrics:
                               ["tenant"], registry=r)
         self.worker_up = Gauge("fairshare_gateway_worker_up", "1 when the worker is SERVING and agrees on the "
                                "tokenizer", ["worker"], registry=r)
+        self.gateway_replicas = Gauge("fairshare_gateway_replicas", "Gateway replicas alive (registered in Redis) "
+                                      "as last seen, floored at --replicas: what degraded buckets divide by",
+                                      registry=r)
+        self.routing_spills = Counter("fairshare_gateway_routing_spills", "Requests the fair routing policy sent "
+                                      "beyond their prefix-affine worker because their tenant's pool-wide share "
+                                      "lagged", ["tenant"], registry=r)
         self.worker_retries = Counter("fairshare_gateway_worker_retries", "Generations retried on another worker "
                                       "after failing before the first token", ["worker"], registry=r)
         self.disconnects = Counter("fairshare_gateway_client_disconnects", "Clients that went away before the end",

@@ -7,8 +7,9 @@ succeeds again (every ``redis_probe_interval_s``), never waits on Redis:
 
 - a tier whose policy is ``fail_closed`` gets 503 (OpenAI-shaped, ``retry-after``) at once;
 - a tier whose policy is ``degrade`` is admitted by `LocalAdmission`: this replica's in-memory
-  buckets with every limit divided by ``gateway_replicas`` (RPM, TPM, in-flight tokens, concurrent
-  requests), so N replicas together stay within the tenant's limits. This replica's own running
+  buckets with every limit divided by the number of gateway replicas (RPM, TPM, in-flight tokens,
+  concurrent requests), so N replicas together stay within the tenant's limits. N is the live count
+  last seen in Redis (`gateway.replicas`; `set_live_replicas`), never below ``gateway_replicas``. This replica's own running
   requests (admitted through Redis before the outage) count against the local in-flight limits.
 - settlements owed to Redis (a lease to release, a TPM refund) are kept and made when it is back.
 
@@ -46,7 +47,7 @@ from redis.exceptions import RedisError
 from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig
 
-from .admission import Admission, Decision, Lease, RateLimitState
+from .admission import Admission, Decision, Lease, RateLimitState, bucket_level, bucket_wait_ms
 
 log = logging.getLogger("fairshare.gateway")
 
@@ -65,18 +66,20 @@ class RedisUnavailable(Exception):
 class LocalAdmission:
     """This replica's in-memory admission while Redis is down: each tenant limit divided by `replicas`.
 
-    Buckets refill continuously (capacity ``limit / replicas``, at ``limit / replicas`` per minute);
+    Buckets refill continuously (capacity ``limit / replicas``, at ``limit / replicas`` per minute) by
+    the rule Redis applies (`gateway.admission.bucket_level`, the Python twin of gateway/bucket.lua);
     in-flight tokens and concurrent requests count this replica's running requests of the tenant (the
     local leases plus the Redis-held ones passed as `held`); concurrency is ``max(1, floor(limit /
     replicas))``. A request that cannot fit the local share at all is refused with 429 (it may fit
     again when Redis is back), never with 400.
     """
 
-    def __init__(self, replicas: int = 1, clock: Callable[[], float] = time.monotonic, retry_s: float = 1.0) -> None:
+    def __init__(self, replicas: int = 1, clock_ms: Callable[[], float] = lambda: time.monotonic() * 1000.0,
+                 retry_s: float = 1.0) -> None:
         self.replicas = max(1, int(replicas))
-        self.clock = clock
+        self.clock_ms = clock_ms  # () -> now in ms
         self.retry_s = retry_s
-        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (tenant, rpm|tpm) -> (tokens, at)
+        self._buckets: dict[tuple[str, str], tuple[float, float]] = {}  # (tenant, rpm|tpm) -> (tokens, at ms)
         self._caps: dict[tuple[str, str], float] = {}
         self.leases: dict[str, dict[str, Lease]] = {}  # tenant -> lease id -> lease held here
 
@@ -86,13 +89,12 @@ class LocalAdmission:
 
     def level(self, tenant_id: str, which: str, cap: float) -> float:
         """Tokens in a local bucket now (refilled; a bucket never used is full)."""
-        now = self.clock()
-        tokens, at = self._buckets.get((tenant_id, which), (cap, now))
-        return min(cap, tokens + max(0.0, now - at) * cap / 60.0)
+        got = self._buckets.get((tenant_id, which))
+        return cap if got is None else bucket_level(got[0], got[1], self.clock_ms(), cap)
 
     def _store(self, tenant_id: str, which: str, cap: float, tokens: float) -> None:
         self._caps[(tenant_id, which)] = cap
-        self._buckets[(tenant_id, which)] = (tokens, self.clock())
+        self._buckets[(tenant_id, which)] = (tokens, self.clock_ms())
 
     def admit(self, tenant: TenantConfig, cost: int, lease_id: str, held: list[Lease] = ()) -> Decision:
         """Admit against the local share, all or nothing (see the class docstring)."""
@@ -107,16 +109,16 @@ class LocalAdmission:
         rpm_t = self.level(tenant.id, "rpm", rpm) if rpm is not None else None
         tpm_t = self.level(tenant.id, "tpm", tpm) if tpm is not None else None
 
-        reason, retry = "ok", 0.0
+        reason, retry_ms = "ok", 0.0  # checked in admission.lua's order (the last failing check names it)
         if conc_cap is not None and concurrent + 1 > conc_cap:
-            reason, retry = "concurrent_requests", max(retry, self.retry_s)
+            reason, retry_ms = "concurrent_requests", max(retry_ms, self.retry_s * 1000)
         if inflight_cap is not None and inflight + cost > inflight_cap:
-            reason, retry = "inflight_tokens", max(retry, self.retry_s)
+            reason, retry_ms = "inflight_tokens", max(retry_ms, self.retry_s * 1000)
         if tpm is not None and tpm_t < cost:
             reason = "tokens"
-            retry = max(retry, (cost - tpm_t) / (tpm / 60.0) if cost <= tpm else self.retry_s)
+            retry_ms = max(retry_ms, bucket_wait_ms(tpm_t, cost, tpm) if cost <= tpm else self.retry_s * 1000)
         if rpm is not None and rpm_t < 1:
-            reason, retry = "requests", max(retry, (1 - rpm_t) / (rpm / 60.0))
+            reason, retry_ms = "requests", max(retry_ms, bucket_wait_ms(rpm_t, 1, rpm))
         admitted = reason == "ok"
         if admitted:
             if rpm is not None:
@@ -128,17 +130,17 @@ class LocalAdmission:
         state = RateLimitState(
             rpm_limit=None if rpm is None else math.floor(rpm),
             rpm_remaining=None if rpm is None else math.floor(rpm_t),
-            rpm_reset_s=0.0 if rpm is None else (rpm - rpm_t) / (rpm / 60.0),
+            rpm_reset_s=0.0 if rpm is None else math.ceil(bucket_wait_ms(rpm_t, rpm, rpm)) / 1000,
             tpm_limit=None if tpm is None else math.floor(tpm),
             tpm_remaining=None if tpm is None else math.floor(tpm_t),
-            tpm_reset_s=0.0 if tpm is None else (tpm - tpm_t) / (tpm / 60.0))
+            tpm_reset_s=0.0 if tpm is None else math.ceil(bucket_wait_ms(tpm_t, tpm, tpm)) / 1000)
         lease = None
         if admitted:
             lease = Lease(tenant.id, lease_id, int(cost), lim.tpm, store="local", tpm_store="local")
             self.leases.setdefault(tenant.id, {})[lease_id] = lease
             inflight += cost
             concurrent += 1
-        return Decision(admitted, reason, state, retry, int(inflight), concurrent, lease)
+        return Decision(admitted, reason, state, math.ceil(retry_ms) / 1000, int(inflight), concurrent, lease)
 
     def refund(self, lease: Lease, tokens: int) -> None:
         """Give `tokens` back to the local TPM bucket that charged `lease` (capped at its capacity)."""
@@ -175,6 +177,7 @@ class AdmissionControl:
                  probe_interval_s: float = 0.5, renew_interval_s: float | None = None, metrics=None) -> None:
         self.admission = admission
         self.policy = policy
+        self.replicas_floor = max(1, int(replicas))
         self.local = LocalAdmission(replicas, retry_s=max(1.0, probe_interval_s))
         self.probe_interval_s = probe_interval_s
         self.renew_interval_s = renew_interval_s or max(0.05, admission.lease_ttl_s / 3)
@@ -193,6 +196,13 @@ class AdmissionControl:
     @property
     def lease_ttl_s(self) -> float:
         return self.admission.lease_ttl_s
+
+    def set_live_replicas(self, n: int) -> None:
+        """The live gateway replica count (`gateway.replicas.ReplicaRegistry`): degraded local
+        buckets hold ``limit / max(floor, n)``, the floor being the configured ``replicas``."""
+        self.local.replicas = max(self.replicas_floor, int(n))
+        if self.metrics is not None:
+            self.metrics.gateway_replicas.set(self.local.replicas)
 
     def _gauge(self) -> None:
         if self.metrics is not None:

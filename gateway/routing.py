@@ -1,17 +1,27 @@
-"""Workers: health (``grpc.health.v1``), model info and tokenizer agreement, least-loaded routing, retries.
+"""Workers: discovery, health (``grpc.health.v1``), model info and tokenizer agreement, routing, retries.
 
 - `WorkerClient`: one gRPC channel to one worker, its health, its `ModelInfo` and its load estimate.
-- `WorkerPool`: polls every worker (health every ``health_interval_s`` seconds, ``GetModelInfo`` once
-  per (re)connection, ``GetLoad`` for the worker's in-flight tokens), groups workers by model (a worker
-  answers to every name in ``ModelInfo.served_model_names``; the names of one model share one
-  entry), checks
-  that every worker of a model reports the same tokenizer (sha256 of tokenizer json + chat template,
-  or the gateway's own ``--tokenizer``) and picks the worker with the fewest in-flight tokens.
+- `WorkerPool`: the workers `--workers` names, kept live by `gateway.discovery` (static entries,
+  ``dns:///name:port``, ``file:///path``): a worker that appears is checked at once and used as soon
+  as it is SERVING; one that leaves the list is *retired* (no new requests, its open streams run to
+  the end, then its channel closes). Every worker is polled (health every ``health_interval_s``
+  seconds, ``GetModelInfo`` once per (re)connection, ``GetLoad`` for the worker's in-flight tokens
+  and drain state) and watched (the health ``Watch`` stream, so a worker that starts draining, i.e.
+  reports NOT_SERVING, leaves routing at once). A SERVING worker that only answers late leaves routing
+  after ``unhealthy_after`` late polls in a row (default 3: one slow answer under load is not an
+  outage), at once when it answers NOT_SERVING or draining, refuses the connection, or a call to it
+  fails. Workers are grouped by model (a worker answers to every name in
+  ``ModelInfo.served_model_names``; the names of one model share one entry); every worker of a
+  model must report the same tokenizer (sha256 of tokenizer json + chat template, or the gateway's
+  own ``--tokenizer``).
+  Which worker gets a request: the routing policy (`gateway.routing_policy`: least-loaded, prefix
+  or fair).
 - `WorkerPool.retry_after_s`: the retry hint of a 503 while no worker serves a model: how long the
   last outage of a worker of that model lasted, minus how long the current one has lasted, and never
   less than the health poll interval (the soonest the pool can see a worker come back).
-- `start_generation`: opens a ``Generate`` stream and reads until the first token; a worker that fails
-  before that is abandoned (its call cancelled) and the request retried on another worker. Each
+- `start_generation`: opens a ``Generate`` stream on the worker the routing policy picks and reads
+  until the first token; a worker that fails before that is abandoned (its call cancelled) and the
+  request retried on another worker. Each
   attempt is a ``gateway.worker_call`` CLIENT span whose W3C trace context travels in the call's
   gRPC metadata (``traceparent``), so the worker's spans are its children.
 """
@@ -19,7 +29,6 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -36,9 +45,12 @@ from fairshare.worker_auth import generate_claims
 from fairshare.wire import INVALID_METADATA_KEY
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from fairshare.wire import TIER_NAMES
 
+from .discovery import DEFAULT_INTERVAL_S, Discovery, parse_sources
 from .errors import APIError, invalid_request, unavailable
 from .logprobs import TokenTexts
+from .routing_policy import RouteRequest, RoutingPolicy, make_routing
 from .tokenization import ChatTokenizer, TokenizerFiles
 
 log = logging.getLogger("fairshare.gateway")
@@ -78,7 +90,11 @@ class ModelEntry:
 
 @dataclass(eq=False)
 class WorkerClient:
-    """Connection and state of one worker (``host:port``). Token counts are prompt + max_tokens."""
+    """Connection and state of one worker (``host:port``). Token counts are prompt + max_tokens.
+
+    slow_probes: consecutive late health polls. retired: left the worker list (discovery); gets no
+    new requests and is closed once this gateway has nothing in flight on it.
+    """
 
     addr: str
     channel: grpc.aio.Channel | None = None
@@ -93,8 +109,11 @@ class WorkerClient:
     last_model: str | None = None  # the model it served before it went down (info is cleared then)
     last_names: tuple[str, ...] = ()  # every name it served that model under
     down_since: float | None = None  # time.monotonic() when it stopped being usable; None while usable
+    retired: bool = False
+    worker_id: str = ""  # the worker's own identity (ModelInfo.worker_id), stable across restarts
     stub: pb_grpc.WorkerStub | None = field(default=None, repr=False)
     health: health_pb2_grpc.HealthStub | None = field(default=None, repr=False)
+    watch_task: asyncio.Task | None = field(default=None, repr=False)
 
     def connect(self) -> None:
         """Create the channel and stubs (lazy; no I/O)."""
@@ -109,6 +128,12 @@ class WorkerClient:
         return self.info.model_name if self.info else None
 
     @property
+    def route_id(self) -> str:
+        """The identity routing hashes on: the worker's own id when it reports one (a pod keeps its
+        name across restarts while its address changes), else its address."""
+        return self.worker_id or self.addr
+
+    @property
     def names(self) -> list[str]:
         """Every name this worker serves its model under (empty until known)."""
         if self.info is None:
@@ -117,8 +142,8 @@ class WorkerClient:
 
     @property
     def usable(self) -> bool:
-        """SERVING and agreeing with the gateway's tokenizer for its model."""
-        return self.healthy and self.agrees and self.info is not None
+        """SERVING, agreeing with the gateway's tokenizer for its model, and still in the worker list."""
+        return self.healthy and self.agrees and self.info is not None and not self.retired
 
     def load_score(self) -> int:
         """In-flight tokens: the worker's own figure at the last poll, corrected by what this gateway
@@ -127,89 +152,167 @@ class WorkerClient:
 
     async def close(self) -> None:
         """Close the channel."""
+        await cancel_and_wait(self.watch_task)
+        self.watch_task = None
         if self.channel is not None:
             await self.channel.close()
             self.channel = None
 
 
 class WorkerPool:
-    """All configured workers, the models they serve and the routing choice among them.
+    """The workers (discovered live), the models they serve and the routing choice among them.
+
+    addrs: `--workers` entries (``host:port``, ``dns:///name:port``, ``file:///path``; see
+    `gateway.discovery`). discovery_interval_s: how often dns/file entries are re-resolved.
+    routing: a `gateway.routing_policy.RoutingPolicy` or its name (default least-loaded).
 
     A worker's health is its answer to the poll: NOT_SERVING, draining, or a refused connection
     takes it out of routing at once; a poll that only times out (a busy worker answering late) does
-    so after `unhealthy_after` such polls in a row, so that one late answer on a loaded machine does
-    not turn every request into a 503 (the unhealthy threshold of load balancers and Kubernetes
+    so after `unhealthy_after` (>= 1) such polls in a row, so that one late answer on a loaded machine
+    does not turn every request into a 503 (the unhealthy threshold of load balancers and Kubernetes
     probes). A call that fails marks its worker unhealthy at once either way (`start_generation`).
+    Raises ValueError for a malformed entry or `unhealthy_after` < 1.
     """
 
     def __init__(self, addrs: list[str], *, health_interval_s: float = 1.0, health_timeout_s: float = 1.0,
                  local_tokenizers: dict[str, TokenizerFiles] | None = None,
-                 local_tokenizer: TokenizerFiles | None = None, metrics=None, unhealthy_after: int = 3) -> None:
-        self.workers = [WorkerClient(a) for a in addrs]
+                 local_tokenizer: TokenizerFiles | None = None, metrics=None,
+                 discovery_interval_s: float = DEFAULT_INTERVAL_S, unhealthy_after: int = 3,
+                 routing: RoutingPolicy | str = "least-loaded") -> None:
+        if unhealthy_after < 1:
+            raise ValueError("unhealthy_after must be >= 1")
+        self.sources = parse_sources(addrs)
+        self.discovery = Discovery(self.sources, self._set_addresses, discovery_interval_s)
+        # static entries are known now (no I/O): the pool lists them before it starts
+        self.workers = [WorkerClient(s.target) for s in self.sources if s.kind == "static"]
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
-        self.unhealthy_after = unhealthy_after
+        self.unhealthy_after = int(unhealthy_after)
+        self.routing = make_routing(routing) if isinstance(routing, str) else routing
         self.models: dict[str, ModelEntry] = {}
         self._local = local_tokenizer
         self._local_tok: ChatTokenizer | None = ChatTokenizer(local_tokenizer) if local_tokenizer else None
-        self._rr = itertools.count()
         self._task: asyncio.Task | None = None
+        self._discovery_task: asyncio.Task | None = None
         self._metrics = metrics
         self._first_round = asyncio.Event()
         self._adopt_lock = asyncio.Lock()
+        self._closing: set[asyncio.Task] = set()
         self.recovery_s: dict[str, float] = {}  # model -> how long its last worker outage lasted (s)
 
+    # -- membership --------------------------------------------------------------------------------
+    async def _set_addresses(self, addrs: set[str]) -> None:
+        """Discovery's answer: add new workers (checked at once), retire the ones that left."""
+        known = {w.addr: w for w in self.workers}
+        for w in self.workers:
+            gone = w.addr not in addrs
+            if gone and not w.retired:
+                log.info("worker %s left the worker list: no new requests; %d in-flight token(s) finish there",
+                         w.addr, w.local_inflight)
+                w.retired = True
+                self._gauge(w)
+            elif not gone and w.retired:
+                log.info("worker %s is back in the worker list", w.addr)
+                w.retired = False
+        added = [WorkerClient(a) for a in sorted(addrs) if a not in known]
+        for w in added:
+            log.info("worker %s joined the worker list", w.addr)
+            self.workers.append(w)
+        if added and self._task is not None:
+            await asyncio.gather(*(self._check(w) for w in added), return_exceptions=True)
+            for w in added:
+                self._start_watch(w)
+
+    def _reap(self) -> None:
+        """Close and forget retired workers with nothing of this gateway in flight."""
+        for w in [w for w in self.workers if w.retired and w.local_inflight <= 0]:
+            self.workers.remove(w)
+            if self._metrics is not None:
+                try:
+                    self._metrics.worker_up.remove(w.addr)
+                except KeyError:
+                    pass
+            task = asyncio.get_running_loop().create_task(w.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            log.info("worker %s retired and closed", w.addr)
+
     # -- polling ---------------------------------------------------------------------------------
-    def _late(self, w: WorkerClient, e: grpc.aio.AioRpcError) -> bool:
-        """Whether this failed poll is a late answer of a healthy worker, tolerated for now."""
-        if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or not w.healthy:
-            return False
-        w.slow_probes += 1
-        if w.slow_probes < self.unhealthy_after:
-            log.info("worker %s answered its health poll late (%d in a row); still routing to it", w.addr,
-                     w.slow_probes)
-            return True
-        return False
+    def _set_down(self, w: WorkerClient, reason: str) -> None:
+        """Take `w` out of routing now (its model info is read again when it is back)."""
+        if w.healthy:
+            log.warning("worker %s is not serving (%s)", w.addr, reason)
+        w.last_error = reason
+        w.healthy = False
+        w.slow_probes = 0
+        w.info = None  # re-read model info after it comes back (it may have restarted)
+        w.agrees = False
+        self._gauge(w)
+
+    def _failed(self, w: WorkerClient, e: grpc.aio.AioRpcError, what: str) -> None:
+        """A poll that failed: a late answer (DEADLINE_EXCEEDED) of a healthy worker is tolerated
+        until `unhealthy_after` in a row; anything else (refused, reset) takes it out at once."""
+        reason = f"{what}{e.code().name} {e.details()}"
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and w.healthy:
+            w.slow_probes += 1
+            if w.slow_probes < self.unhealthy_after:
+                log.info("worker %s answered its health poll late (%d in a row); still routing to it", w.addr,
+                         w.slow_probes)
+                return
+            reason = f"{reason} ({w.slow_probes} late poll(s) in a row)"
+        self._set_down(w, reason)
 
     async def _check(self, w: WorkerClient) -> None:
         w.connect()
         try:
             resp = await w.health.Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
                                         timeout=self.health_timeout_s)
-            serving = resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError as e:
-            if self._late(w, e):
-                return
-            serving = False
-            w.last_error = f"health: {e.code().name} {e.details()}"
-        if not serving:
-            if w.healthy:
-                log.warning("worker %s is not serving (%s)", w.addr, w.last_error or "NOT_SERVING")
-            w.healthy = False
-            w.info = None  # re-read model info after it comes back (it may have restarted)
-            w.agrees = False
-            self._gauge(w)
+            self._failed(w, e, "health: ")
+            return
+        if resp.status != health_pb2.HealthCheckResponse.SERVING:  # draining or not ready: out at once
+            self._set_down(w, "NOT_SERVING")
             return
         try:
             if w.info is None:
                 info = await w.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=max(5.0, self.health_timeout_s))
                 await self._adopt(w, info)
             load = await w.stub.GetLoad(pb.GetLoadRequest(), timeout=self.health_timeout_s)
-            w.remote_inflight = int(load.inflight_tokens)
-            w.local_at_poll = w.local_inflight
-            if load.draining:
-                serving = False
         except grpc.aio.AioRpcError as e:
-            if self._late(w, e):
-                return
-            w.last_error = f"{e.code().name} {e.details()}"
-            serving = False
-        if serving:
-            w.slow_probes = 0
-        if serving and not w.healthy:
+            self._failed(w, e, "")
+            return
+        w.remote_inflight = int(load.inflight_tokens)
+        w.local_at_poll = w.local_inflight
+        w.slow_probes = 0
+        if load.draining:
+            self._set_down(w, "draining")
+            return
+        if not w.healthy:
             log.info("worker %s is serving model %s", w.addr, w.model)
-        w.healthy = serving
+        w.healthy = True
+        w.last_error = ""
         self._gauge(w)
+
+    def _start_watch(self, w: WorkerClient) -> None:
+        if w.watch_task is None:
+            w.watch_task = asyncio.get_running_loop().create_task(self._watch(w), name=f"health-watch {w.addr}")
+
+    async def _watch(self, w: WorkerClient) -> None:
+        """Follow the worker's health ``Watch`` stream: NOT_SERVING takes it out of routing at once
+        (a draining worker leaves before it stops); SERVING brings it back through a full check."""
+        while True:
+            w.connect()
+            try:
+                call = w.health.Watch(health_pb2.HealthCheckRequest(service=WORKER_SERVICE))
+                async for resp in call:
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        if not w.healthy:
+                            await self._check(w)
+                    elif w.healthy:
+                        self._set_down(w, "NOT_SERVING (health watch)")
+            except grpc.aio.AioRpcError:
+                pass  # unreachable or no Watch: the periodic checks cover it
+            await asyncio.sleep(self.health_interval_s)
 
     def _gauge(self, w: WorkerClient) -> None:
         self._track_outage(w)
@@ -224,7 +327,7 @@ class WorkerPool:
                 for name in w.last_names:
                     self.recovery_s[name] = time.monotonic() - w.down_since
                 w.down_since = None
-        elif w.down_since is None and w.last_model is not None:
+        elif w.down_since is None and w.last_model is not None and not w.retired:
             w.down_since = time.monotonic()
 
     def retry_after_s(self, model: str) -> float:
@@ -241,6 +344,7 @@ class WorkerPool:
         """Record a worker's ModelInfo; build or check the model's tokenizer (one worker at a time)."""
         async with self._adopt_lock:
             await self._adopt_locked(w, info)
+        w.worker_id = info.worker_id
 
     async def _adopt_locked(self, w: WorkerClient, info: pb.ModelInfo) -> None:
         files = TokenizerFiles(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token)
@@ -299,8 +403,9 @@ class WorkerPool:
             return False
 
     async def poll_once(self) -> None:
-        """Check every worker once (concurrently)."""
-        await asyncio.gather(*(self._check(w) for w in self.workers), return_exceptions=True)
+        """Check every worker once (concurrently); close retired workers with nothing in flight."""
+        await asyncio.gather(*(self._check(w) for w in self.workers if not w.retired), return_exceptions=True)
+        self._reap()
         self._first_round.set()
 
     async def _run(self) -> None:
@@ -312,19 +417,31 @@ class WorkerPool:
             await asyncio.sleep(self.health_interval_s)
 
     async def start(self, wait_s: float = 0.0) -> None:
-        """Start polling; wait up to `wait_s` seconds for a usable worker."""
+        """Resolve the worker list, start polling, watching and (for dns/file entries) discovery;
+        wait up to `wait_s` seconds for a usable worker."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="worker-pool")
+            await self.discovery.resolve_once()
+            for w in self.workers:
+                self._start_watch(w)
+            if self.discovery.dynamic:
+                self._discovery_task = asyncio.get_running_loop().create_task(self._discover(), name="worker-discovery")
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not any(w.usable for w in self.workers):
             await asyncio.sleep(0.05)
 
+    async def _discover(self) -> None:
+        await asyncio.sleep(self.discovery.interval_s)
+        await self.discovery.run()
+
     async def stop(self) -> None:
-        """Stop polling and close every channel."""
+        """Stop polling, watching and discovery; close every channel."""
+        await cancel_and_wait(self._discovery_task)
         await cancel_and_wait(self._task)
-        self._task = None
+        self._task = self._discovery_task = None
         for w in self.workers:
             await w.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
     # -- queries ---------------------------------------------------------------------------------
     def ready(self) -> bool:
@@ -342,22 +459,36 @@ class WorkerPool:
         return None
 
     def mark_failed(self, w: WorkerClient, reason: str) -> None:
-        """Stop routing to `w` now (its connection broke mid-stream); the next successful health
-        check (every ``health_interval_s``) brings it back."""
+        """Stop routing to `w` now (a call found it unreachable, or its connection broke mid-stream);
+        the next successful health check (every ``health_interval_s``) brings it back."""
         if w.healthy:
             log.warning("worker %s marked unhealthy: %s", w.addr, reason)
         w.healthy = False
         w.last_error = reason
         self._gauge(w)
 
-    def pick(self, model: str, exclude: set[WorkerClient] | frozenset = frozenset()) -> WorkerClient | None:
-        """The usable worker of `model` with the fewest in-flight tokens (ties: round robin), or None."""
-        cands = [w for w in self.workers if w.usable and model in w.names and w not in exclude]
+    def candidates(self, model: str, exclude: set[WorkerClient] | frozenset = frozenset()) -> list[WorkerClient]:
+        """Usable workers of `model`, minus `exclude`."""
+        return [w for w in self.workers if w.usable and model in w.names and w not in exclude]
+
+    def pick(self, model: str, exclude: set[WorkerClient] | frozenset = frozenset(),
+             request: RouteRequest | None = None) -> WorkerClient | None:
+        """The worker of `model` the routing policy chooses for `request` (without a request: the
+        least-loaded one, ties in turn), or None when no usable worker serves it."""
+        cands = self.candidates(model, exclude)
         if not cands:
             return None
-        best = min(w.load_score() for w in cands)
-        tied = [w for w in cands if w.load_score() == best]
-        return tied[next(self._rr) % len(tied)]
+        if request is None:
+            return self.routing.least_loaded(cands)
+        return self.routing.choose(request, cands)
+
+
+def route_request(request: pb.GenerateRequest, cost: int) -> RouteRequest:
+    """What routing needs of a ``GenerateRequest``: the tenant, its cache namespace plus the client's
+    cache_salt (caches never cross it), the prompt and its cost in tokens."""
+    t = request.tenant
+    return RouteRequest(t.id, f"{t.cache_namespace or t.id}\x00{request.cache_salt}", request.prompt_token_ids,
+                        int(cost), TIER_NAMES.get(t.tier, "interactive"))
 
 
 class Generation:
@@ -423,7 +554,7 @@ def _is_progress(msg: pb.GenerateResponse) -> bool:
 async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateRequest, cost: int, *,
                            max_attempts: int = 3, metrics=None, tracer: trace.Tracer | None = None,
                            parent=None, deadline: float | None = None, signer=None) -> Generation:
-    """Start `request` on the least-loaded worker of `model`, retrying on another worker when one fails
+    """Start `request` on the worker of `model` the pool's routing policy picks, retrying on another worker when one fails
     before its first token.
 
     tracer / parent: each attempt is a ``gateway.worker_call`` span of `tracer` (default: the global
@@ -442,8 +573,9 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
     tried: set[WorkerClient] = set()
     last: str = "no worker serves this model"
     base_id = request.request_id
+    route = route_request(request, cost)
     for attempt in range(max(1, max_attempts)):
-        w = pool.pick(model, tried)
+        w = pool.pick(model, tried, route)
         if w is None:
             break
         tried.add(w)
@@ -508,4 +640,4 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
                       retry_after_s=pool.retry_after_s(model))
 
 
-__all__ = ["APIError", "Generation", "ModelEntry", "WorkerClient", "WorkerPool", "start_generation"]
+__all__ = ["APIError", "Generation", "ModelEntry", "WorkerClient", "WorkerPool", "route_request", "start_generation"]

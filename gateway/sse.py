@@ -1,14 +1,14 @@
 """Server-sent events as OpenAI streams them: ``data: {json}`` lines, then ``data: [DONE]``.
 
-`SSEResponse` is a StreamingResponse that also watches the connection: when the client goes away it
-calls `on_disconnect` at once (which cancels the gRPC streams, so the worker aborts); at the end it
-always closes the body generator and awaits `on_close` (settlement), even when the client vanished
-before the first byte and the generator never ran.
+`SSEResponse` is a StreamingResponse that always closes the body generator and awaits `on_close`
+(settlement) at the end, even when the client vanished before the first byte and the generator
+never ran; a write that fails calls `on_disconnect`. It does not read the connection itself: the
+request's `gateway.watch.RequestWatch` does (one task per request), and notices a disconnect while
+the stream waits for the worker.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
@@ -28,8 +28,8 @@ def event(obj: Any) -> bytes:
 class SSEResponse(StreamingResponse):
     """``text/event-stream`` response over an async generator of already-encoded events.
 
-    `on_disconnect` is called (once) when the client disconnects or a write to it fails; `on_close` is
-    awaited once the response is over, whatever happened.
+    `on_disconnect` is called (once) when a write to the client fails; `on_close` is awaited once the
+    response is over, whatever happened.
     """
 
     media_type = "text/event-stream"
@@ -50,14 +50,6 @@ class SSEResponse(StreamingResponse):
             self._on_disconnect()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def watch() -> None:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    self._gone()
-                    return
-
-        watcher = asyncio.ensure_future(watch())
         finished = False
         try:
             await self.stream_response(send)
@@ -65,7 +57,6 @@ class SSEResponse(StreamingResponse):
         except OSError:  # the client went away while we were writing
             self._gone()
         finally:
-            watcher.cancel()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 try:

@@ -174,11 +174,6 @@ class ChatTokenizer:
         """A canonical form (re-serialised tokenizer + template) to compare tokenizers whose JSON text differs."""
         return self.tokenizer.to_str() + "\0" + self.files.chat_template
 
-    @property
-    def has_chat_template(self) -> bool:
-        """True when the model has a chat template."""
-        return self._template is not None
-
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     parser=None) -> str:
         """The prompt text for `messages` with the generation prompt appended. tools: the request's

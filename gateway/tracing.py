@@ -13,20 +13,43 @@ One request is traced as::
 
 Span attributes and statuses carry error *codes* (``invalid_api_key``, ``rate_limit_exceeded``),
 never error messages, which may echo part of a key.
+
+With no exporter configured and no tracer provider installed in the process (no
+``opentelemetry-instrument``, none set before the app is built), the gateway's tracer is
+`UntracedTracer`: every span is the invalid span, and nothing is attached to the context or put in
+gRPC metadata, so tracing costs a method call per span.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import INVALID_SPAN, Span, Status, StatusCode
 
 from fairshare.telemetry import get_tracer
 
 TRACER_NAME = "fairshare.gateway"
 
 
+class UntracedTracer(trace.NoOpTracer):
+    """A tracer for a process that traces nothing: spans are `INVALID_SPAN` (not recording, an invalid
+    context: never propagated), and `start_as_current_span` does not touch the current context."""
+
+    _CURRENT = nullcontext(INVALID_SPAN)  # reusable: enters to the invalid span, exits doing nothing
+
+    def start_span(self, *args, **kwargs) -> Span:
+        return INVALID_SPAN
+
+    def start_as_current_span(self, *args, **kwargs):
+        return self._CURRENT
+
+
 def gateway_tracer(provider=None) -> trace.Tracer:
-    """The gateway's tracer from `provider` (None: the global provider, a no-op unless configured)."""
+    """The gateway's tracer from `provider`; None: from the global provider when one is installed,
+    else an `UntracedTracer` (decided now: a provider installed later is not seen)."""
+    if provider is None and isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return UntracedTracer()
     return get_tracer(TRACER_NAME, provider)
 
 
@@ -48,4 +71,4 @@ def end_request_span(span: Span, status: int, code: str | None = None) -> None:
     span.end()
 
 
-__all__ = ["TRACER_NAME", "end_request_span", "gateway_tracer", "set_error"]
+__all__ = ["TRACER_NAME", "UntracedTracer", "end_request_span", "gateway_tracer", "set_error"]

@@ -75,7 +75,7 @@ def _request(tenant: str, prompt: list[int], salt: str = ""):
     pb, _ = _stubs()
     return pb.GenerateRequest(
         request_id=uuid.uuid4().hex,
-        tenant=pb.Tenant(id=tenant, weight=1.0, tier=pb.TIER_INTERACTIVE, cache_namespace=f"ns-{tenant}"),
+        tenant=pb.Tenant(id=tenant, weight=1.0, tier=pb.TIER_INTERACTIVE),
         prompt_token_ids=prompt, cache_salt=salt,
         sampling=pb.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
     )

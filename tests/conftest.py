@@ -86,7 +86,7 @@ def start_worker(*extra: str, model: str = "random-tiny", policy: str = "vtc", p
 
 
 def stop_worker(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """SIGTERM a worker started by `start_worker`, SIGKILL it if it has not exited after timeout_s."""
+    """SIGTERM a worker started by `start_worker`; SIGKILL it if it has not exited after timeout_s."""
     proc.terminate()
     try:
         proc.wait(timeout_s)

@@ -13,6 +13,7 @@
                      [--kv-soft-quota KEY=FRAC ...] [--kv-hard-cap-for KEY=FRAC ...]
                      [--no-prefix-cache] [--public-prefix-file PATH] [--ttft-floor TIER=SECONDS ...]
                      [--cached-rate 0] [--unsafe-global-cache]
+                     [--worker-id ID] [--pool-redis-url URL] [--pool-interval-s 0.1] [--pool-key-prefix P]
 
 Tiers (docs/fairness.md, "Tiers"): strict priority interactive > batch > background, each lower tier
 keeping a minimum share of service (`--tier-min-share batch=0.05 --tier-min-share background=0.05`, the
@@ -27,6 +28,7 @@ its tier. The tuning flags need `--kv-quota`.
 `--otel-exporter` (env FAIRSHARE_OTEL_EXPORTER) sends traces to stdout or over OTLP
 (OTEL_EXPORTER_OTLP_ENDPOINT); default none. See docs/observability.md.
 
+Pool flags (identity, pool-wide fair counters through Redis): worker/pool_service.py.
 Prefix cache flags: worker/cache/options.py and docs/cache-isolation.md (cache namespaces are keyed
 with $FAIRSHARE_CACHE_SECRET, else a random per-process secret).
 
@@ -42,6 +44,7 @@ import sys
 
 from fairshare.procs import port_in_use
 from worker.cache.options import add_cache_arguments, cache_settings
+from worker.pool_service import add_pool_arguments, worker_id_of
 
 
 def _positive(kind):
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_kv_quota_arguments(p)
     add_cache_arguments(p)
     add_reliability_arguments(p)
+    add_pool_arguments(p)
     return p
 
 
@@ -351,11 +355,18 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
     except ValueError as exc:  # a bad FAIRSHARE_OTEL_EXPORTER
         print(f"fairshare worker: {exc}", file=sys.stderr)
         return 2
+    worker_id = worker_id_of(args)
+    pool = None
+    if args.pool_redis_url:
+        from worker.pool_service import PoolService
+
+        pool = PoolService(engine, args.pool_redis_url, worker_id, prefix=args.pool_key_prefix,
+                           interval_s=args.pool_interval_s)
     try:
         return asyncio.run(serve(engine, names or [model.name], args.host, args.port, args.drain_timeout,
                                  metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                                  metrics_max_tenants=args.metrics_max_tenants, tracer_provider=tracer_provider,
-                                 configure=configure, verifier=verifier,
+                                 worker_id=worker_id, pool=pool, configure=configure, verifier=verifier,
                                  engine_failure_exit_s=args.engine_failure_exit_s))
     except OSError as exc:
         print(f"fairshare worker: {exc}", file=sys.stderr)

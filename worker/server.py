@@ -1,7 +1,12 @@
 """The worker's gRPC server (grpc.aio): `fairshare.v1.Worker` plus `grpc.health.v1`.
 
 Each `Generate` call registers its request with the engine and relays the engine's outputs
-(delivered on the engine thread) through an asyncio queue. When the client cancels the stream
+(delivered on the engine thread) through an asyncio queue. Outputs are coalesced: whatever the
+engine produced for the request since the stream last sent (one iteration's tokens, or those of
+consecutive iterations when the engine ran ahead of the connection) goes out as one message, with
+one logprob entry per token, never one message per token when tokens are ready together; a pause
+between iterations (a preemption) starts a new message, so `Timings.iteration` (the message's
+latest iteration) and the token count place every token. When the client cancels the stream
 (gateway disconnect, deadline), the handler is cancelled and the request is aborted, which frees
 its KV blocks. SIGTERM drains: health goes NOT_SERVING (and ``GetLoad.draining``), new requests get
 UNAVAILABLE (the gateway retries them on another worker), in-flight ones may finish until the drain
@@ -102,26 +107,30 @@ def sampling_from_proto(p: worker_pb2.SamplingParams, grammar=None) -> SamplingP
     )
 
 
-def _to_proto(out: RequestOutput) -> worker_pb2.GenerateResponse:
-    msg = worker_pb2.GenerateResponse(token_ids=out.token_ids, text_delta=out.text_delta)
-    if out.queued_s is not None:
-        msg.timings.queued_s = out.queued_s
-    if out.first_token_s is not None:
-        msg.timings.first_token_s = out.first_token_s
-    if out.queued_iterations is not None:
-        msg.timings.queued_iterations = out.queued_iterations
-    if out.first_token_iterations is not None:
-        msg.timings.first_token_iterations = out.first_token_iterations
-    msg.timings.iteration = out.iteration
-    for tok, lp, top in out.logprobs:
-        entry = msg.logprobs.add(token_id=tok, logprob=lp)
-        for alt, alt_lp in top:
-            entry.top.add(token_id=alt, logprob=alt_lp)
-    if out.finish_reason is not None:
-        msg.finish_reason = _FINISH[out.finish_reason]
-        msg.usage.prompt_tokens = out.prompt_tokens
-        msg.usage.completion_tokens = out.completion_tokens
-        msg.usage.cached_prompt_tokens = out.cached_tokens
+def _to_proto(outs: list[RequestOutput]) -> worker_pb2.GenerateResponse:
+    """One message for the engine outputs of one request that are ready together (in order): their
+    tokens, text and logprobs concatenated, each timing from the first output that has it, the
+    iteration of the last one (the latest step the message carries), the last one's finish and usage."""
+    msg = worker_pb2.GenerateResponse()
+    first = {}  # timing field -> value, from the first output that has it
+    for out in outs:
+        msg.token_ids.extend(out.token_ids)
+        for tok, lp, top in out.logprobs:
+            entry = msg.logprobs.add(token_id=tok, logprob=lp)
+            for alt, alt_lp in top:
+                entry.top.add(token_id=alt, logprob=alt_lp)
+        for name in ("queued_s", "first_token_s", "queued_iterations", "first_token_iterations"):
+            value = getattr(out, name)
+            if value is not None and name not in first:
+                first[name] = value
+                setattr(msg.timings, name, value)
+        msg.timings.iteration = out.iteration
+        if out.finish_reason is not None:
+            msg.finish_reason = _FINISH[out.finish_reason]
+            msg.usage.prompt_tokens = out.prompt_tokens
+            msg.usage.completion_tokens = out.completion_tokens
+            msg.usage.cached_prompt_tokens = out.cached_tokens
+    msg.text_delta = "".join(out.text_delta for out in outs)
     return msg
 
 
@@ -136,7 +145,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """
 
     def __init__(self, engine: Engine, model_name: str | list[str], *, metrics: WorkerMetrics | None = None,
-                 tracer_provider=None, verifier: worker_auth.Verifier | None = None) -> None:
+                 tracer_provider=None, verifier: worker_auth.Verifier | None = None, worker_id: str = "",
+                 pool=None) -> None:
         names = [model_name] if isinstance(model_name, str) else list(dict.fromkeys(model_name))
         if not names or not all(names):
             raise ValueError("a worker needs at least one non-empty model name")
@@ -144,7 +154,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.verifier = verifier
         self.model_name = names[0]
         self.served_model_names = names
+        self.worker_id = worker_id
+        self.pool = pool  # a worker.pool_service.PoolService, or None (per-worker counters)
         self.draining = False
+        self.refused_while_draining = 0
         self.live: set[str] = set()
         self.metrics = metrics if metrics is not None else WorkerMetrics(engine)
         self.metrics.draining = lambda: self.draining
@@ -154,7 +167,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._model_info = worker_pb2.ModelInfo(
             model_name=names[0], served_model_names=names, max_context_tokens=engine.max_model_len,
             tokenizer_json=m.tokenizer_json, chat_template=m.chat_template or "", eos_token_ids=sorted(m.eos_token_ids), tokenizer_sha256=digest,
-            bos_token=m.bos_token or "", eos_token=m.eos_token or "",
+            bos_token=m.bos_token or "", eos_token=m.eos_token or "", worker_id=worker_id,
         )
 
     async def _authenticate(self, claims: worker_auth.Claims, context) -> None:
@@ -163,6 +176,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(self, request, context):
         await self._authenticate(worker_auth.generate_claims(request), context)
         if self.draining:
+            self.refused_while_draining += 1
+            log.info("refused request %s: draining (the gateway retries it on another worker)", request.request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         if self.engine.failed:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has failed: {self.engine.failed}")
@@ -210,27 +225,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         end_ns = None
         last_token_at: float | None = None
         final: RequestOutput | None = None
+        after_pause = None  # an output taken from the queue that starts the next message
         try:
-            while True:
-                out, at, at_ns = await queue.get()
-                rt.observe(out)
-                if out.token_ids:
-                    if last_token_at is None:
-                        self.metrics.observe_first_token(tenant.id, out.queued_s, out.first_token_s or 0.0)
-                    else:
-                        self.metrics.observe_itl(tenant.id, at - last_token_at, len(out.token_ids))
-                    last_token_at = at
-                if out.error:
-                    finished = True
-                    outcome, end_ns, final = "error", at_ns, out
-                    # a failed engine is a worker to route around (UNAVAILABLE); one faulty batch is not
-                    code = grpc.StatusCode.UNAVAILABLE if self.engine.failed else grpc.StatusCode.INTERNAL
-                    await context.abort(code, out.error)
-                yield _to_proto(out)
-                if out.finish_reason is not None:
-                    finished = True
-                    outcome, end_ns, final = _FINISH_NAMES[out.finish_reason], at_ns, out
-                    return
+            while not finished:
+                # coalesce: the outputs already queued (the engine ran ahead of this stream) go in one
+                # message, up to a pause (a preemption, a wait): a client still sees the pause
+                ready = [after_pause if after_pause is not None else await queue.get()]
+                after_pause = None
+                while not queue.empty():
+                    item = queue.get_nowait()
+                    if item[0].iteration > ready[-1][0].iteration + 1:
+                        after_pause = item
+                        break
+                    ready.append(item)
+                outs: list[RequestOutput] = []
+                for out, at, at_ns in ready:
+                    rt.observe(out)
+                    if out.token_ids:
+                        if last_token_at is None:
+                            self.metrics.observe_first_token(tenant.id, out.queued_s, out.first_token_s or 0.0)
+                        else:
+                            self.metrics.observe_itl(tenant.id, at - last_token_at, len(out.token_ids))
+                        last_token_at = at
+                    if out.error:
+                        finished = True
+                        outcome, end_ns, final = "error", at_ns, out
+                        # a failed engine is a worker to route around (UNAVAILABLE); one faulty batch is not
+                        code = grpc.StatusCode.UNAVAILABLE if self.engine.failed else grpc.StatusCode.INTERNAL
+                        await context.abort(code, out.error)
+                    outs.append(out)
+                    if out.finish_reason is not None:
+                        finished = True
+                        outcome, end_ns, final = _FINISH_NAMES[out.finish_reason], at_ns, out
+                        break
+                yield _to_proto(outs)
         finally:
             self.live.discard(request_id)
             if not finished:  # cancelled by the client (or the server shutting down)
@@ -257,6 +285,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tier_preemptions=snap.get("preemptions_by_reason", {}).get("tier", 0),
             returning_preemptions=snap.get("returning_preemptions", 0),
             iteration_token_target=snap.get("iteration_token_target", 0),
+            worker_id=self.worker_id, pool_counters=self.pool is not None, pool_workers=snap.get("pool_workers", 0),
+            pool_board_age_s=self.pool.board_age_s() if self.pool is not None else 0.0,
         )
         for tier, t in snap.get("tiers", {}).items():
             load.tiers.add(tier=TIER_ENUMS.get(tier, 0), charged_service=t["service"], service_share=t["service_share"],
@@ -273,6 +303,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 # KV quotas: 0 / false when the worker runs without them (Load.kv_quota_enabled)
                 kv_soft_quota_blocks=t.get("kv_soft_quota_blocks", 0), kv_hard_cap_blocks=t.get("kv_hard_cap_blocks", 0),
                 kv_over_quota=t.get("kv_over_quota", False), backlogged=t.get("backlogged", False),
+                pool_service=t.get("pool_service", 0.0),
             )
         _fill_cache_load(load, snap)
         return load
@@ -293,8 +324,9 @@ def _fill_cache_load(load: worker_pb2.Load, snap: dict) -> None:
 
 async def serve(engine: Engine, model_name: str | list[str], host: str, port: int, drain_timeout_s: float = 30.0,
                 ready_message: bool = True, *, metrics_port: int = 0, metrics_host: str | None = None,
-                metrics_max_tenants: int = 64, tracer_provider=None, configure=None,
-                verifier: worker_auth.Verifier | None = None, engine_failure_exit_s: float = 10.0) -> int:
+                metrics_max_tenants: int = 64, tracer_provider=None, worker_id: str = "", pool=None,
+                configure=None, verifier: worker_auth.Verifier | None = None,
+                engine_failure_exit_s: float = 10.0) -> int:
     """Serve until SIGTERM/SIGINT, then drain (up to `drain_timeout_s` seconds) and stop. Returns the
     exit status: 0, or `EXIT_ENGINE_FAILED` (3) when the engine failed (worker/faults.py).
 
@@ -305,6 +337,8 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     metrics_port: serve Prometheus ``/metrics`` over HTTP on metrics_host (default `host`):metrics_port
     (0: no metrics server). metrics_max_tenants: distinct tenant labels before ``other``.
     tracer_provider: where spans go (default: the global provider); shut down (flushed) at the end.
+    worker_id: this worker's identity (ModelInfo / Load). pool: a `worker.pool_service.PoolService`
+    (started with the engine, stopped after the drain), or None.
     configure: extension point for a program embedding the worker, ``configure(server, engine,
     servicer)``, called once before the Worker service is registered and the engine and server start:
     it may add services to the ``grpc.aio`` server and wrap the servicer's or the engine's methods
@@ -317,7 +351,7 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
                                       ("grpc.max_receive_message_length", 64 * 2**20)])
     servicer = WorkerServicer(engine, model_name, metrics=WorkerMetrics(engine, max_tenants=metrics_max_tenants),
-                              tracer_provider=tracer_provider, verifier=verifier)
+                              tracer_provider=tracer_provider, verifier=verifier, worker_id=worker_id, pool=pool)
     if configure is not None:
         configure(server, engine, servicer)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -350,6 +384,8 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     engine.on_failed = lambda reason: loop.call_soon_threadsafe(
         lambda: failed_task.append(asyncio.ensure_future(engine_failed(reason))))
     engine.start()
+    if pool is not None:
+        pool.start()
     await server.start()
     for svc in ("", SERVICE_NAME):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
@@ -377,7 +413,10 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
         log.warning("drain %s: aborting %d request(s) still in flight", "cut short" if hurry.is_set()
                     else "deadline reached", len(servicer.live))
     engine.shutdown()  # aborts what is left: each stream ends with finish_reason ABORT
+    if pool is not None:
+        pool.stop()
     await server.stop(grace=2.0)
+    log.info("stopped (refused %d request(s) while draining)", servicer.refused_while_draining)
     servicer.metrics.stop()
     if tracer_provider is not None:
         tracer_provider.shutdown()  # flushes batched spans

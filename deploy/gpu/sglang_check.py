@@ -119,8 +119,7 @@ def run_mode(mode: str, args, model_dir: Path) -> dict:
             counter[0] += 1
             req = worker_pb2.GenerateRequest(
                 request_id=f"{mode}-{tenant}-{counter[0]}",
-                tenant=worker_pb2.Tenant(id=tenant, weight=1.0, tier=worker_pb2.TIER_INTERACTIVE,
-                                         cache_namespace=f"ns-{tenant}"),
+                tenant=worker_pb2.Tenant(id=tenant, weight=1.0, tier=worker_pb2.TIER_INTERACTIVE),
                 prompt_token_ids=[rng.randrange(3, facts.vocab_size) for _ in range(args.prompt_len)])
             req.sampling.max_tokens = args.output_len
             req.sampling.ignore_eos = True

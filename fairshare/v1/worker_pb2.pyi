@@ -170,7 +170,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_context_tokens", "tokenizer_json", "chat_template", "eos_token_ids", "tokenizer_sha256", "bos_token", "eos_token", "served_model_names")
+    __slots__ = ("model_name", "max_context_tokens", "tokenizer_json", "chat_template", "eos_token_ids", "tokenizer_sha256", "bos_token", "eos_token", "served_model_names", "worker_id")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -180,6 +180,7 @@ class ModelInfo(_message.Message):
     BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SERVED_MODEL_NAMES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_context_tokens: int
     tokenizer_json: str
@@ -189,14 +190,15 @@ class ModelInfo(_message.Message):
     bos_token: str
     eos_token: str
     served_model_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_sha256: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, model_name: _Optional[str] = ..., max_context_tokens: _Optional[int] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_sha256: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., served_model_names: _Optional[_Iterable[str]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class TenantLoad(_message.Message):
-    __slots__ = ("tenant_id", "weight", "tier", "virtual_counter", "charged_service", "prompt_tokens", "output_tokens", "waiting", "running", "kv_blocks", "finished", "preemptions", "kv_soft_quota_blocks", "kv_hard_cap_blocks", "kv_over_quota", "quota_waits", "cache_blocks", "cached_prompt_tokens", "backlogged")
+    __slots__ = ("tenant_id", "weight", "tier", "virtual_counter", "charged_service", "prompt_tokens", "output_tokens", "waiting", "running", "kv_blocks", "finished", "preemptions", "kv_soft_quota_blocks", "kv_hard_cap_blocks", "kv_over_quota", "quota_waits", "cache_blocks", "cached_prompt_tokens", "backlogged", "pool_service")
     TENANT_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +218,7 @@ class TenantLoad(_message.Message):
     CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BACKLOGGED_FIELD_NUMBER: _ClassVar[int]
+    POOL_SERVICE_FIELD_NUMBER: _ClassVar[int]
     tenant_id: str
     weight: float
     tier: Tier
@@ -235,7 +238,8 @@ class TenantLoad(_message.Message):
     cache_blocks: int
     cached_prompt_tokens: int
     backlogged: bool
-    def __init__(self, tenant_id: _Optional[str] = ..., weight: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ..., virtual_counter: _Optional[float] = ..., charged_service: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., finished: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_soft_quota_blocks: _Optional[int] = ..., kv_hard_cap_blocks: _Optional[int] = ..., kv_over_quota: _Optional[bool] = ..., quota_waits: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., backlogged: _Optional[bool] = ...) -> None: ...
+    pool_service: float
+    def __init__(self, tenant_id: _Optional[str] = ..., weight: _Optional[float] = ..., tier: _Optional[_Union[Tier, str]] = ..., virtual_counter: _Optional[float] = ..., charged_service: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks: _Optional[int] = ..., finished: _Optional[int] = ..., preemptions: _Optional[int] = ..., kv_soft_quota_blocks: _Optional[int] = ..., kv_hard_cap_blocks: _Optional[int] = ..., kv_over_quota: _Optional[bool] = ..., quota_waits: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., backlogged: _Optional[bool] = ..., pool_service: _Optional[float] = ...) -> None: ...
 
 class TierLoad(_message.Message):
     __slots__ = ("tier", "charged_service", "service_share", "min_share", "deficit", "backlogged", "blocked_iterations", "waiting", "running", "preemptions")
@@ -262,7 +266,7 @@ class TierLoad(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., charged_service: _Optional[float] = ..., service_share: _Optional[float] = ..., min_share: _Optional[float] = ..., deficit: _Optional[float] = ..., backlogged: _Optional[bool] = ..., blocked_iterations: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class Load(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "tenants", "policy", "iterations", "draining", "inflight_tokens", "kv_quota_enabled", "reclaim_preemptions", "cache_blocks", "cache_public_blocks", "cache_hit_tokens", "cache_lookup_tokens", "tiers", "tier_scheduling", "tier_preemptions", "returning_preemptions", "iteration_token_target")
+    __slots__ = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "kv_block_size", "tenants", "policy", "iterations", "draining", "inflight_tokens", "kv_quota_enabled", "reclaim_preemptions", "cache_blocks", "cache_public_blocks", "cache_hit_tokens", "cache_lookup_tokens", "tiers", "tier_scheduling", "tier_preemptions", "returning_preemptions", "iteration_token_target", "worker_id", "pool_counters", "pool_workers", "pool_board_age_s")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +288,10 @@ class Load(_message.Message):
     TIER_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     RETURNING_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     ITERATION_TOKEN_TARGET_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    POOL_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    POOL_BOARD_AGE_S_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_used: int
@@ -305,4 +313,8 @@ class Load(_message.Message):
     tier_preemptions: int
     returning_preemptions: int
     iteration_token_target: int
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ..., policy: _Optional[str] = ..., iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., inflight_tokens: _Optional[int] = ..., kv_quota_enabled: _Optional[bool] = ..., reclaim_preemptions: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cache_public_blocks: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_lookup_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierLoad, _Mapping]]] = ..., tier_scheduling: _Optional[bool] = ..., tier_preemptions: _Optional[int] = ..., returning_preemptions: _Optional[int] = ..., iteration_token_target: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    pool_counters: bool
+    pool_workers: int
+    pool_board_age_s: float
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., tenants: _Optional[_Iterable[_Union[TenantLoad, _Mapping]]] = ..., policy: _Optional[str] = ..., iterations: _Optional[int] = ..., draining: _Optional[bool] = ..., inflight_tokens: _Optional[int] = ..., kv_quota_enabled: _Optional[bool] = ..., reclaim_preemptions: _Optional[int] = ..., cache_blocks: _Optional[int] = ..., cache_public_blocks: _Optional[int] = ..., cache_hit_tokens: _Optional[int] = ..., cache_lookup_tokens: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierLoad, _Mapping]]] = ..., tier_scheduling: _Optional[bool] = ..., tier_preemptions: _Optional[int] = ..., returning_preemptions: _Optional[int] = ..., iteration_token_target: _Optional[int] = ..., worker_id: _Optional[str] = ..., pool_counters: _Optional[bool] = ..., pool_workers: _Optional[int] = ..., pool_board_age_s: _Optional[float] = ...) -> None: ...

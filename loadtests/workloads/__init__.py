@@ -160,12 +160,15 @@ def _registry() -> dict[str, Workload]:
 
 
 def get_workload(name: str) -> Workload:
-    """A workload by name (the fairness benchmark's, or an extra one such as `memory-flood`).
+    """A workload by name (the fairness benchmark's, or an extra one such as `memory-flood`, or a
+    prompted one: `shared-system-prompts`, `pool-skew`, a `shared_prefix.SharedPrefixWorkload`).
     Raises KeyError listing the known names."""
-    from loadtests.workloads import memory, tiers
+    from loadtests.workloads import memory, pool, shared_prefix, tiers
 
     reg = _registry()
     reg.update({w.name: w for w in memory.WORKLOADS + tiers.WORKLOADS})
+    reg.update(shared_prefix.WORKLOADS)
+    reg.update(pool.WORKLOADS)
     if name not in reg:
         raise KeyError(f"unknown workload {name!r}; known: {', '.join(reg)}")
     return reg[name]

@@ -48,12 +48,14 @@ class PromptedRequest:
 class SharedPrefixWorkload:
     """`base`: arrivals and lengths (one `TenantLoad` per tenant). public_tokens / system_tokens:
     lengths of the public and of each tenant system prompt (tokens). system_prompts: system prompts
-    per tenant (>= 1)."""
+    per tenant (>= 1). prompt_seed: seed of the public and system prompts (None: the run's seed;
+    fixed, the prompts stay the same whatever the seed of the arrivals)."""
 
     base: Workload
     public_tokens: int = 384
     system_prompts: int = 2
     system_tokens: int = 256
+    prompt_seed: int | None = None
 
     @property
     def name(self) -> str:
@@ -79,10 +81,17 @@ class SharedPrefixWorkload:
         tenants = tuple(replace(t, rate=t.rate / factor) for t in base.tenants)
         return replace(self, base=replace(base, tenants=tenants, duration_s=base.duration_s * factor))
 
+    def lasting(self, duration_s: float) -> "SharedPrefixWorkload":
+        """The same workload (same rates) over `duration_s` seconds. Raises ValueError unless > 0."""
+        if not duration_s > 0:
+            raise ValueError("duration_s must be > 0")
+        return replace(self, base=replace(self.base, duration_s=float(duration_s)))
+
     def requests(self, seed: int = 0, rate_scale: float = 1.0) -> list[PromptedRequest]:
         """Every request with its prompt, in arrival order. Deterministic per seed."""
-        public = self.public_prompt(seed)
-        systems = {t.tenant_id: [self.system_prompt(t.tenant_id, j, seed) for j in range(self.system_prompts)]
+        ps = seed if self.prompt_seed is None else self.prompt_seed
+        public = self.public_prompt(ps)
+        systems = {t.tenant_id: [self.system_prompt(t.tenant_id, j, ps) for j in range(self.system_prompts)]
                    for t in self.base.tenants}
         rng = random.Random(f"{seed}:turns")
         out = []

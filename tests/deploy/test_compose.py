@@ -1,4 +1,4 @@
-"""deploy/docker-compose.yml: validated by a real Compose v2 CLI (`compose config` needs no engine),
+"""docker-compose.yml (repository root): validated by a real Compose v2 CLI (`compose config` needs no engine),
 then checked structurally: profiles, health-gated start order, GPU reservation, mounts, secrets."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 
 from fairshare.config import load_tenants
 
-from .conftest import DEPLOY, ROOT, load_yaml
+from .conftest import ROOT, load_yaml
 
-COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+COMPOSE_FILE = ROOT / "docker-compose.yml"
 PROFILES = {"default": [], "gpu": ["--profile", "gpu"]}
 LONG_RUNNING = {"redis", "worker", "worker-gpu", "gateway"}
 
 
 def compose_env() -> dict[str, str]:
-    """The environment without FAIRSHARE_* / COMPOSE_* overrides, so deploy/.env decides."""
+    """The environment without FAIRSHARE_* / COMPOSE_* overrides, so the root .env decides."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FAIRSHARE_", "COMPOSE_"))}
     env["DOCKER_HOST"] = "unix:///nonexistent/docker.sock"  # prove no engine is needed
     return env
@@ -73,7 +73,7 @@ def test_health_gated_start_order(compose_cmd, profile):
 def test_gateway_worker_list_resolves_to_the_running_worker(compose_cmd, profile):
     services = config(compose_cmd, profile)["services"]
     workers = services["gateway"]["environment"]["FAIRSHARE_WORKERS"].split(",")
-    assert workers == ["worker:50051"]
+    assert workers == ["dns:///worker:50051"]  # every replica of the worker service, discovered live
     (worker_name,) = {"worker", "worker-gpu"} & set(services)
     worker = services[worker_name]
     names = {worker_name} | set(((worker.get("networks") or {}).get("default") or {}).get("aliases") or [])
@@ -144,7 +144,7 @@ def test_compose_file_structure_without_the_cli():
             dockerfile = ROOT / build["dockerfile"] if (COMPOSE_FILE.parent / build["context"]).resolve() == ROOT \
                 else None
             assert dockerfile is not None and dockerfile.is_file(), name
-    dotenv = dict(line.split("=", 1) for line in (DEPLOY / ".env").read_text().splitlines()
+    dotenv = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines()
                   if line.strip() and not line.startswith("#"))
     assert dotenv["COMPOSE_PROFILES"] == "cpu"
     # the named volumes used are declared

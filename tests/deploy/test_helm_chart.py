@@ -372,8 +372,11 @@ def test_network_policy_lets_only_the_gateway_reach_workers(helm, value_set):
         redis = pod_labels(one(docs, "Deployment", "redis"))
         rp = [p for p in of_kind(docs, "NetworkPolicy") if selects(p["spec"]["podSelector"]["matchLabels"], redis)]
         assert len(rp) == 1
-        assert all(selects(peer["podSelector"]["matchLabels"], gateways)
-                   for rule in rp[0]["spec"]["ingress"] for peer in rule["from"])
+        peers = [peer["podSelector"]["matchLabels"] for rule in rp[0]["spec"]["ingress"] for peer in rule["from"]]
+        # the gateways, and the workers when they share pool-wide counters through Redis
+        pool = "FAIRSHARE_POOL_REDIS_URL" in env_of(container(one(docs, "StatefulSet", "worker"), "worker"))
+        assert all(selects(p, gateways) or (pool and selects(p, workers)) for p in peers)
+        assert any(selects(p, gateways) for p in peers) and any(selects(p, workers) for p in peers) is pool
 
 
 def test_network_policy_can_be_disabled(helm):
@@ -396,13 +399,36 @@ def test_gateway_worker_addresses_resolve_to_the_worker_service(helm, value_set,
     container_ports = {p["name"]: p["containerPort"] for p in container(sts, "worker")["ports"]}
     svc_port = svc["spec"]["ports"][0]
     assert container_ports[svc_port["targetPort"]] == svc_port["port"]
-    # FAIRSHARE_WORKERS: one <pod>.<service>.<namespace>.svc.<domain>:<port> per worker pod
-    addrs = env_of(gw)["FAIRSHARE_WORKERS"]["value"].split(",")
-    replicas = sts["spec"]["replicas"]
-    assert len(addrs) == replicas
-    expected = {f"{sts['metadata']['name']}-{i}.{svc['metadata']['name']}.{NAMESPACE}.svc.{domain}:{svc_port['port']}"
-                for i in range(replicas)}
-    assert set(addrs) == expected
+    # FAIRSHARE_WORKERS: the headless Service's name (every pod's address, discovered live), not a
+    # list rendered from worker.replicas: scaling the StatefulSet needs no upgrade
+    entry = env_of(gw)["FAIRSHARE_WORKERS"]["value"]
+    assert entry == f"dns:///{svc['metadata']['name']}.{NAMESPACE}.svc.{domain}:{svc_port['port']}"
+    assert "," not in entry and f"{sts['metadata']['name']}-0" not in entry
+    from gateway.discovery import parse_sources
+
+    (source,) = parse_sources([entry])
+    assert source.kind == "dns"
+    # a different worker count renders the same gateway
+    other = helm.render(VALUE_SETS[value_set], tuple(sets) + ("worker.replicas=7",))
+    assert env_of(container(one(other, "Deployment", "gateway"), "gateway"))["FAIRSHARE_WORKERS"]["value"] == entry
+    assert one(other, "StatefulSet", "worker")["spec"]["replicas"] == 7
+
+
+def test_pool_counters_and_live_replica_count(helm):
+    """Reference workers share pool-wide counters through the chart's Redis (worker.poolCounters,
+    on by default); the gateway gets no replica count (replicas register in Redis)."""
+    docs = helm.render()
+    worker = container(one(docs, "StatefulSet", "worker"), "worker")
+    gw = container(one(docs, "Deployment", "gateway"), "gateway")
+    assert env_of(worker)["FAIRSHARE_POOL_REDIS_URL"] == env_of(gw)["FAIRSHARE_REDIS_URL"] | {
+        "name": "FAIRSHARE_POOL_REDIS_URL"}
+    assert "FAIRSHARE_GATEWAY_REPLICAS" not in env_of(gw)
+    off = helm.render(sets=("worker.poolCounters=false",))
+    assert "FAIRSHARE_POOL_REDIS_URL" not in env_of(container(one(off, "StatefulSet", "worker"), "worker"))
+    ext = helm.render(VALUE_SETS["external-redis"])
+    w_env = env_of(container(one(ext, "StatefulSet", "worker"), "worker"))["FAIRSHARE_POOL_REDIS_URL"]
+    assert w_env["valueFrom"] == env_of(container(one(ext, "Deployment", "gateway"), "gateway"))[
+        "FAIRSHARE_REDIS_URL"]["valueFrom"]
 
 
 # -- gateway scaling, disruption, monitoring, security ---------------------------------------------

@@ -8,8 +8,10 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from openai.types import Completion
+from openai import BaseModel as OpenAIModel
+from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.shared import ErrorObject
 
 MODEL = "random-tiny"
 HELLO = [{"role": "user", "content": "Hello, how are you?"}]
@@ -34,43 +36,85 @@ def stream_chunks(gw, tenant: str, path: str, body: dict) -> list[dict]:
     return [json.loads(line[6:]) for line in lines[:-1]]
 
 
+def _no_extra(obj, path: str = "$") -> None:
+    """No field of `obj` (an `openai` model) or of any model inside it is one the type does not
+    declare (the `openai` types accept and keep unknown fields: ``model_extra``)."""
+    if isinstance(obj, OpenAIModel):
+        assert not obj.model_extra, f"{path}: fields the openai type does not declare: {sorted(obj.model_extra)}"
+        for name in type(obj).model_fields:
+            _no_extra(getattr(obj, name), f"{path}.{name}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _no_extra(v, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _no_extra(v, f"{path}.{k}")
+
+
+def validate_strict(model_type: type[OpenAIModel], body: dict) -> OpenAIModel:
+    """`body` validated as the `openai` type `model_type`, strictly: no type coercion (a string
+    where a number belongs fails, as in the SDK's own strict mode), no field the type does not
+    declare anywhere in the tree, and the model dumped back (``exclude_unset``) equals the body, so
+    nothing was dropped, renamed or converted. Returns the model (AssertionError / ValidationError)."""
+    obj = model_type.model_validate(body, strict=True)
+    _no_extra(obj)
+    assert obj.model_dump(mode="json", exclude_unset=True, by_alias=True) == body, (model_type.__name__, body)
+    return obj
+
+
 def chat_body(resp: httpx.Response) -> dict:
-    """The JSON body of a 200 chat completion, validated as an `openai` `ChatCompletion`."""
+    """The JSON body of a 200 chat completion, validated strictly as an `openai` `ChatCompletion`."""
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    ChatCompletion.model_validate(body)
+    validate_strict(ChatCompletion, body)
     return body
 
 
 def completion_body(resp: httpx.Response) -> dict:
-    """The JSON body of a 200 text completion, validated as an `openai` `Completion`."""
+    """The JSON body of a 200 text completion, validated strictly as an `openai` `Completion`."""
     assert resp.status_code == 200, resp.text
     body = resp.json()
-    Completion.model_validate(body)
+    validate_strict(Completion, body)
     return body
 
 
 def chat_chunks(gw, tenant: str, body: dict) -> list[dict]:
-    """A streamed chat completion's chunks, each validated as an `openai` `ChatCompletionChunk`."""
+    """A streamed chat completion's chunks, each validated strictly as an `openai` `ChatCompletionChunk`."""
     chunks = stream_chunks(gw, tenant, "/v1/chat/completions", body)
     for c in chunks:
-        ChatCompletionChunk.model_validate(c)
+        validate_strict(ChatCompletionChunk, c)
     return chunks
 
 
-def completion_chunks(gw, tenant: str, body: dict) -> list[dict]:
-    """A streamed text completion's chunks, each validated as an `openai` `Completion`. The type
+def validate_completion_chunk(c: dict) -> None:
+    """A streamed text-completion chunk, validated strictly as an `openai` `Completion`. The type
     has no null ``finish_reason``, which every chunk but a choice's last carries (as OpenAI's own
     streams do; the SDK builds chunks without validating): such a chunk is validated with the null
     checked here and a final reason in its place."""
+    choices = []
+    for ch in c["choices"]:
+        assert ch["finish_reason"] in (None, "stop", "length")
+        choices.append({**ch, "finish_reason": ch["finish_reason"] or "stop"})
+    validate_strict(Completion, {**c, "choices": choices})
+
+
+def completion_chunks(gw, tenant: str, body: dict) -> list[dict]:
+    """A streamed text completion's chunks, each validated by `validate_completion_chunk`."""
     chunks = stream_chunks(gw, tenant, "/v1/completions", body)
     for c in chunks:
-        choices = []
-        for ch in c["choices"]:
-            assert ch["finish_reason"] in (None, "stop", "length")
-            choices.append({**ch, "finish_reason": ch["finish_reason"] or "stop"})
-        Completion.model_validate({**c, "choices": choices})
+        validate_completion_chunk(c)
     return chunks
+
+
+def model_list_body(resp: httpx.Response) -> dict:
+    """The JSON body of a 200 ``GET /v1/models``: ``{"object": "list", "data": [Model...]}``, each
+    entry validated strictly as an `openai` `Model`."""
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert set(body) == {"object", "data"} and body["object"] == "list", body
+    for m in body["data"]:
+        validate_strict(Model, m)
+    return body
 
 
 def streamed_chat(chunks: list[dict]) -> dict:
@@ -101,6 +145,7 @@ def assert_openai_error(resp: httpx.Response, status: int, param=..., code=...) 
     assert resp.headers["content-type"].startswith("application/json")
     body = resp.json()
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    validate_strict(ErrorObject, body["error"])
     err = body["error"]
     assert err["message"] and "Traceback" not in err["message"]
     if param is not ...:

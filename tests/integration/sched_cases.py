@@ -73,12 +73,15 @@ class Stream:
         return sum(n for n, _ in self.messages)
 
     def first_iteration(self) -> int | None:
-        return self.messages[0][1] if self.messages else None
+        """The iteration of the first token. A message of n tokens carries those of n consecutive
+        iterations ending at its own (the worker coalesces up to a pause, worker/server.py)."""
+        return self.messages[0][1] - self.messages[0][0] + 1 if self.messages else None
 
     def resumed_after_gap(self) -> int | None:
         """The iteration at which tokens came again after the longest pause (a preemption shows as
         one: its decodes stop until it is re-admitted and recomputed), or None without a pause."""
-        gaps = [(b - a, b) for (_, a), (_, b) in zip(self.messages, self.messages[1:]) if b - a > 1]
+        starts = [(it - n + 1, it) for n, it in self.messages]  # (first, last) iteration of each message
+        gaps = [(b0 - a1, b0) for (_, a1), (b0, _) in zip(starts, starts[1:]) if b0 - a1 > 1]
         return max(gaps)[1] if gaps else None
 
     def join(self, timeout_s: float = WAIT_S) -> "Stream":

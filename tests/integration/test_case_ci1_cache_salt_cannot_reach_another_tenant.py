@@ -5,7 +5,7 @@ the official `openai` client.
 Tenant A sends a 512-token prompt P twice: the second reports
 `usage.prompt_tokens_details.cached_tokens > 0`. Tenant B then sends P with `cache_salt` set to every
 string A's namespace might be (A's worker-side namespace computed with the worker's real secret,
-the gateway-side one, A's tenant id, path tricks, the empty salt, ...): every one reports
+a keyed hash of A's id under the gateway's secret, A's tenant id, path tricks, the empty salt, ...): every one reports
 `cached_tokens == 0`, and GetLoad shows B was never served a cached token. As a control, the same
 requests against a worker started with `--unsafe-global-cache` do reuse A's prefix across tenants,
 so the assertions can fail.
@@ -13,9 +13,11 @@ so the assertions can fail.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import pytest
 
-from gateway.auth import cache_namespace as gateway_namespace
 from tests.conftest import GATEWAY_TEST_SECRET
 from tests.integration.cache_helpers import SECRET, cache_worker, cached_tokens, get_load, prompt_tokens
 from worker.cache.namespace import derive_namespace
@@ -33,7 +35,7 @@ def worker(tmp_path_factory):
 def b_salts() -> list[str]:
     a_ns = derive_namespace(SECRET.encode(), "ci1-a")
     return [a_ns,                                            # A's real namespace on this worker
-            gateway_namespace(GATEWAY_TEST_SECRET.encode(), "ci1-a"),  # what the gateway derives for A
+            hmac.new(GATEWAY_TEST_SECRET.encode(), b"cache-ns:ci1-a", hashlib.sha256).hexdigest(),  # the gateway's secret
             "ci1-a", "/ci1-a", "../ci1-a", a_ns[1:], "t" + "0" * 64, "public", "global", "",
             "x" * 512]
 

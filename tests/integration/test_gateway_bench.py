@@ -12,6 +12,8 @@ def test_bench_prints_figures(capsys):
     out = capsys.readouterr().out
     assert re.search(r"direct\s+[\d.]+\s+[\d.]+", out) and re.search(r"gateway\s+[\d.]+\s+[\d.]+", out)
     assert "added" in out and "req/s" in out
+    assert "non-streamed" in out and "streamed (SSE)" in out  # both modes in one run
+    assert len(re.findall(r"gateway CPU: \d+\.\d+ ms per request", out)) == 2
 
 
 def test_bench_streaming(capsys):

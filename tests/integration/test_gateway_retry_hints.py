@@ -185,8 +185,12 @@ def test_inflight_429_says_when_the_blocking_request_ends_and_the_client_retry_s
 
     def on_response(resp: httpx.Response) -> None:
         seen.append(resp)
-        if resp.status_code == 429:  # refused while the stream runs: now let it finish
+        if resp.status_code == 429 and control.state()["held"]:  # refused while the stream runs: let it finish
             control.release()
+            # The client's retry comes after the blocking stream has ended, on any machine: its remaining
+            # tokens were sized by a rate measured earlier, and a loaded machine may make them slower.
+            if not done.wait(120):
+                raise AssertionError("the blocking stream never finished after its hold was let go")
 
     http = httpx.Client(event_hooks={"response": [on_response]}, timeout=60)
     retrying = openai.OpenAI(base_url=gw.base_url + "/v1", api_key=gw.keys["hint"], max_retries=10, http_client=http)

@@ -5,7 +5,6 @@ fail on purpose); generation itself always comes from the real worker."""
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import socket
 import threading
@@ -68,10 +67,15 @@ class ProxyWorker(pb_grpc.WorkerServicer):
             yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ABORT,
                                       usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids)))
             return
+        yield from self.forward(request, context)
+
+    def forward(self, request, context):
+        """The real worker's Generate call for `request`, signed with the gateway's token (cancelled
+        with the caller's call)."""
         token = [(k, v) for k, v in context.invocation_metadata() if k == METADATA_KEY]  # the gateway's
         call = self.stub.Generate(request, metadata=token)
         context.add_callback(call.cancel)
-        yield from call
+        return call
 
     def Abort(self, request, context):
         return self.stub.Abort(request, metadata=[(k, v) for k, v in context.invocation_metadata()
@@ -121,18 +125,17 @@ def test_generate_request_carries_gateway_derived_identity(gateway_factory, prox
     client.completions.create(model=MODEL, prompt="Once upon", temperature=0.7, top_p=0.9, seed=5, stop=["x"])
     gw.client("route-b").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
     a1, a2, b = rec.requests
-    ns_a = hmac.new(GATEWAY_TEST_SECRET.encode(), b"cache-ns:route-a", hashlib.sha256).hexdigest()
     assert a1.tenant.id == "route-a" and a1.tenant.weight == 2.5 and a1.tenant.tier == pb.TIER_BATCH
-    assert a1.tenant.cache_namespace == ns_a and a1.cache_salt == "my-salt"
+    assert a1.tenant.cache_namespace == "" and a1.cache_salt == "my-salt"
     assert a1.sampling.max_tokens == 3 and a1.sampling.temperature == 0
     assert len(a1.prompt_token_ids) == r.usage.prompt_tokens
     # max_tokens absent: the gateway sends an explicit number (OpenAI's default for completions)
     assert a2.sampling.max_tokens == 16
     assert a2.sampling.seed == 5 and list(a2.sampling.stop) == ["x"]
     assert a2.sampling.top_p == pytest.approx(0.9) and a2.sampling.temperature == pytest.approx(0.7)
-    assert a2.tenant.cache_namespace == ns_a and a2.cache_salt == ""
+    assert a2.tenant.cache_namespace == "" and a2.cache_salt == ""
     assert b.tenant.id == "route-b" and b.tenant.tier == pb.TIER_BACKGROUND and b.tenant.weight == 0.5
-    assert b.tenant.cache_namespace != ns_a
+    assert b.tenant.cache_namespace == ""  # workers derive namespaces themselves (worker/cache/namespace.py)
     assert len({a1.request_id, a2.request_id, b.request_id}) == 3
 
 
@@ -171,9 +174,9 @@ def test_worker_failing_before_first_token_is_retried_on_another(gateway_factory
     bad = proxies(mode)
     good = proxies("record")
     gw = gateway_factory([{"id": f"retry-{mode}", "limits": {"tpm": 100000}}], workers=[bad.addr, good.addr],
-                         health_interval_s=30.0, metrics_token="routing-metrics-token")
+                         health_interval_s=30.0, metrics_token="routing-metrics-token", routing="least-loaded")
     client = gw.client(f"retry-{mode}")
-    for i in range(4):  # ties are broken round robin, so the faulty worker is picked first at least once
+    for i in range(4):  # least-loaded breaks ties in turn, so the faulty worker is picked first at least once
         r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, stream=bool(i % 2))
         if i % 2:
             assert list(r)[-1].choices[0].finish_reason == "length"
@@ -265,3 +268,27 @@ def test_client_leaving_before_the_first_token_cancels_and_releases(gateway_fact
     leave_once(gw.base_url, gw.keys[tid], {"model": MODEL, "messages": HELLO, "max_tokens": 5, "stream": stream},
                lambda: len(slow.requests) == 2)
     wait_for(lambda: len(slow.cancelled) == 2 and gw.leases(tid) == {}, "the second call cancelled and released")
+
+
+async def test_a_worker_reporting_not_serving_leaves_routing_from_its_health_watch_before_any_poll(proxies):
+    """A draining worker (NOT_SERVING) is out of routing as soon as its health ``Watch`` stream says
+    so, not at the next poll (there is none here: the poll interval is an hour); SERVING again on the
+    stream brings it back through a full check. (Late polls: tests/unit/test_gateway_health_poll.py.)"""
+    from gateway.routing import WorkerPool
+    from tests.support.waits import wait_for_async
+
+    p = proxies("record")
+    pool = WorkerPool([p.addr], health_interval_s=3600, health_timeout_s=5.0)
+    await pool.start()
+    await pool._first_round.wait()
+    (w,) = pool.workers
+    try:
+        assert w.usable and w.worker_id, w.last_error
+        await wait_for_async(lambda: w.watch_task is not None, "the health watch started")
+        p.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await wait_for_async(lambda: not w.usable, lambda: f"the watch took the NOT_SERVING worker out ({w})")
+        assert "watch" in w.last_error
+        p.health.set("fairshare.v1.Worker", health_pb2.HealthCheckResponse.SERVING)
+        await wait_for_async(lambda: w.usable, lambda: f"the watch brought the SERVING worker back ({w})")
+    finally:
+        await pool.stop()

@@ -102,7 +102,7 @@ def test_scrape_config_matches_the_compose_services():
     prom = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
     assert set(jobs) == {"fairshare-gateway", "fairshare-worker"}
-    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     cmd = services["worker"]["command"]
     metrics_port = cmd[cmd.index("--metrics-port") + 1]
@@ -112,7 +112,7 @@ def test_scrape_config_matches_the_compose_services():
 
 
 def test_monitoring_profile():
-    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
     for name in ("prometheus", "grafana"):
         s = services[name]
@@ -122,17 +122,17 @@ def test_monitoring_profile():
         for v in s["volumes"]:
             src = v.split(":", 1)[0]
             if src.startswith("./"):
-                assert (DEPLOY / src).exists(), v
+                assert (ROOT / src).exists(), v
             else:
                 assert src in compose["volumes"], v
     prom_mounts = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
-    assert prom_mounts["/etc/prometheus/prometheus.yml"] == "./prometheus/prometheus.yml"
+    assert prom_mounts["/etc/prometheus/prometheus.yml"] == "./deploy/prometheus/prometheus.yml"
     graf_mounts = {v.split(":")[1]: v.split(":")[0] for v in services["grafana"]["volumes"]}
     provider = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "fairshare.yml").read_text())
     path = provider["providers"][0]["options"]["path"]
-    assert graf_mounts[f"{path}/fairshare.json"] == "./grafana/fairshare.json"
+    assert graf_mounts[f"{path}/fairshare.json"] == "./deploy/grafana/fairshare.json"
     ds = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert ds["datasources"][0]["url"] == "http://prometheus:9090"
     # the workers that the default (cpu) profile runs expose metrics; the default profiles are unchanged
     assert "--metrics-port" in services["worker"]["command"]
-    assert "monitoring" not in (DEPLOY / ".env").read_text().split("COMPOSE_PROFILES=")[1].splitlines()[0]
+    assert "monitoring" not in (ROOT / ".env").read_text().split("COMPOSE_PROFILES=")[1].splitlines()[0]

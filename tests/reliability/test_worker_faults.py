@@ -32,14 +32,6 @@ TPM = 20000
 LONG = {"model": MODEL, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True}
 
 
-def worker_of(gw: InProcessGateway, rid: str) -> str | None:
-    """Address of the worker running request `rid` (its first choice), from the gateway's sessions."""
-    for s in list(gw.gw.live):
-        if s.rid == rid and s.jobs[0].gen is not None:
-            return s.jobs[0].gen.worker.addr
-    return None
-
-
 def finished(addr: str, tenant: str) -> int:
     t = tenant_load(addr, tenant)
     return 0 if t is None else t.finished
@@ -70,7 +62,7 @@ def open_in_thread(http: httpx.Client, gw: InProcessGateway, tenant: str, body: 
 
 def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
     gw = InProcessGateway(tmp_path / "gw", [{"id": "wk", "limits": {"tpm": TPM, "max_inflight_tokens": 20000}}],
-                          workers.addrs, redis_url, health_interval_s=30.0).wait_ready()
+                          workers.addrs, redis_url, health_interval_s=30.0, routing="least-loaded").wait_ready()
     controls = [workers.control(i) for i in range(2)]
     http = httpx.Client(timeout=60)
     try:
@@ -166,7 +158,7 @@ def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
 
 def test_worker_sigterm_drains(workers, redis_url, tmp_path):
     gw = InProcessGateway(tmp_path / "gw", [{"id": "wd", "limits": {"tpm": 10**6}}], workers.addrs, redis_url,
-                          health_interval_s=0.3).wait_ready()
+                          health_interval_s=0.3, routing="least-loaded").wait_ready()
     controls = [workers.control(i) for i in range(2)]
     http = httpx.Client(timeout=60)
     try:

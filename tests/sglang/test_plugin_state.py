@@ -81,40 +81,6 @@ def test_weight_scales_projection_and_fcfs_keeps_sglang_order():
     assert [r.rid for r in q2] == ["l0", "l1", "h0", "h1", "h2"]
 
 
-def test_retracted_requests_go_first_within_their_tenant():
-    s = make_state()
-    a1, a2 = FakeReq("a1", "A", 10), FakeReq("a2", "A", 10)
-    s.on_arrival(a1)
-    s.on_arrival(a2)
-    a2.is_retracted = True
-    q = [a1, a2]
-    s.order_waiting(q)
-    assert [r.rid for r in q] == ["a2", "a1"]
-
-
-def test_lift_on_arrival_not_for_retracted():
-    s = make_state()
-    a = FakeReq("a", "A", 10)
-    s.on_arrival(a)
-    s.policy.charge("A", 500.0)
-    b = FakeReq("b", "B", 10)
-    s.on_arrival(b)  # B arrives while A is backlogged at 500: lifted to 500
-    assert counters(s)["B"] == 500.0
-    # B goes idle, A keeps being served, then a *retracted* B request re-enters: no lift
-    b._finished = True
-    s.charge_outputs([b])
-    assert not s.policy.accounts["B"].backlogged
-    s.policy.charge("A", 500.0)
-    b2 = FakeReq("b2", "B", 10)
-    b2.is_retracted = True
-    s.on_arrival(b2, is_retracted=True)
-    assert counters(s)["B"] == 500.0 and s.policy.accounts["B"].backlogged
-    # a fresh B request now does not lift either (already backlogged); after idling it would
-    b3 = FakeReq("b3", "B", 10)
-    s.on_arrival(b3)
-    assert counters(s)["B"] == 500.0
-
-
 def test_prefill_charges_uncached_prompt_once():
     s = make_state()
     r = FakeReq("r", "A", 100)
@@ -286,23 +252,6 @@ def test_state_from_env():
     assert s.policy.name == "fcfs" and s.cost.beta == 3.0 and s.kv_quotas == {"A": 100} and s.secret == "x"
     with pytest.raises(ValueError):
         state_from_env({"FAIRSHARE_SGLANG_KV_QUOTAS": '{"A": -1}'})
-
-
-def test_tenant_idle_once_all_its_requests_are_past_prefill():
-    """Backlogged = queued or prefill left (the reference scheduler's rule): decoding does not count."""
-    s = make_state()
-    a1, a2, b1 = FakeReq("a1", "A", 10), FakeReq("a2", "A", 10), FakeReq("b1", "B", 10)
-    for r in (a1, a2, b1):
-        s.on_arrival(r)
-    assert s.mark_idle([a2]) == ["B"]           # b1 and a1 admitted, a2 still queued
-    assert s.policy.accounts["A"].backlogged and not s.policy.accounts["B"].backlogged
-    assert s.live == {"A": 2, "B": 1}           # b1 still decodes: still tracked and charged
-    s.policy.charge("A", 400.0)
-    b1.output_ids = [1, 2]
-    s.charge_outputs([b1])                      # B's decode tokens keep being charged while idle
-    b2 = FakeReq("b2", "B", 10)
-    s.on_arrival(b2)                            # a new B request: lifted to A's counter
-    assert counters(s)["B"] == 400.0
 
 
 def test_register_refuses_a_bad_configuration(monkeypatch):

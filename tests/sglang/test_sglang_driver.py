@@ -47,9 +47,10 @@ def test_drain_every_request_finishes_no_kv_leaked_each_token_charged_once():
         snapshot = state.snapshot()
     assert ScheduleBatch.__dict__["_get_decode_retraction_order"] is original
     assert sorted(trace.finished()) == sorted(r.request_id for r in DRAIN.requests)
-    # SGLang retracted (ScheduleBatch.retract_decode, through the plugin's REPLACE hook) and the
-    # retracted request came back, was admitted again and finished
-    assert calls and trace.retractions()
+    # with the core deciding admissions (its ledger), SGLang's own decode retraction is not needed
+    # here; any request sent back (retracted, or a planned admission SGLang's decode reserve
+    # refused) came back, was admitted again and finished
+    assert state.plan_refusals + len(trace.retractions()) > 0
     for rid in trace.retractions():
         assert trace.admission_order().count(rid) >= 2
     assert sum(v["retractions"] for v in snapshot.values()) == len(trace.retractions())

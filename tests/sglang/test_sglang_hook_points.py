@@ -19,8 +19,10 @@ import functools
 
 from tests.parity.workloads import DRAIN
 from tests.sglang.sglang_driver import Scheduler, SGLangDriver
+from worker.sglang_plugin import hooks
+from worker.sglang_plugin.state import FairShareState
 
-from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
+from sglang.srt.managers.schedule_policy import AddReqResult  # noqa: E402
 
 
 def _expected_service(tenant):
@@ -30,13 +32,16 @@ def _expected_service(tenant):
 def test_prefill_adder_can_refuse_a_tenant_without_blocking_the_others(monkeypatch):
     refusing = {"b"}
 
-    class RefusingAdder(PrefillAdder):
+    class RefusingAdder(hooks.prefill_adder_class()):   # served by the plugin's REPLACE hook
         def add_one_req(self, req, has_chunked_req, truncation_align_size):
             if req.fairshare_tag.tenant_id in refusing:
                 return AddReqResult.CONTINUE
             return super().add_one_req(req, has_chunked_req, truncation_align_size)
 
-    monkeypatch.setattr(Scheduler, "get_prefill_adder_class", lambda self: RefusingAdder)
+    monkeypatch.setattr(hooks, "_adder_class", RefusingAdder)
+    # SGLang's loop itself is under test here, not the core's plan: no plan, so the plugin's adder
+    # is SGLang's (a refusal outside the core would leave the core planning the refused tenant)
+    monkeypatch.setattr(FairShareState, "begin_pass", lambda self, scheduler, running_batch: None)
     with SGLangDriver(DRAIN) as driver:
         for i in range(DRAIN.iterations):
             if i == 120:

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from fairshare.config import Tier, TenantsFile, default_keys_path, load_keys, load_tenants
-from gateway.auth import TenantDirectory, bearer_key, cache_namespace, create_key, key_digest, revoke_key
+from gateway.auth import TenantDirectory, bearer_key, create_key, key_digest, revoke_key
 from gateway.config import GatewaySettings
 from gateway.errors import APIError
 
@@ -156,12 +156,6 @@ def test_inline_digests(tmp_path):
     p = tmp_path / "tenants.yaml"
     p.write_text(yaml.safe_dump({"tenants": [{"id": "x", "api_key_digests": [key_digest(b"s", "sk-inline-1")]}]}))
     assert TenantDirectory(b"s", p, None).authenticate("Bearer sk-inline-1").tenant.id == "x"
-
-
-def test_cache_namespace_is_keyed_and_per_tenant():
-    a1, a2, b1 = cache_namespace(b"s", "a"), cache_namespace(b"t", "a"), cache_namespace(b"s", "b")
-    assert len({a1, a2, b1}) == 3 and len(a1) == 64
-    assert a1 != key_digest(b"s", "a")  # type prefixes separate the two uses of the secret
 
 
 def test_bearer_key():

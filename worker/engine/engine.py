@@ -36,6 +36,7 @@ from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S, FaultWindow
 from worker.scheduling.cost import make_cost
 from worker.scheduling.policy import make_policy
+from worker.scheduling.pool import PoolCounters
 from worker.scheduling.tiers import TierShares
 
 log = logging.getLogger("fairshare.engine")
@@ -200,6 +201,7 @@ class Engine:
                                    clock=self.clock, quota=self.quota,
                                    returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
                                    tiers=self.tiers, iteration_token_target=cfg.iteration_token_target)
+        self.pool = PoolCounters()  # pool-wide counters; inert until another worker's report arrives
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
         pool_tokens = runner.num_kv_blocks * runner.block_size
@@ -614,11 +616,35 @@ class Engine:
             self.recorder.on_finish(seq.request_id, seq.finish_time, reason.value)
         self._emit(seq, final=True, error=error)
 
+    # ---- the pool (worker/scheduling/pool.py) -------------------------------------------------------
+    def pool_report(self) -> dict:
+        """What this worker publishes to the pool board, per tenant: (charged service units, weight,
+        tier, backlogged, counter, running requests). Safe on any thread."""
+        with self._state_lock:
+            running: dict[str, int] = {}
+            for seq in self.scheduler.running:
+                running[seq.tenant_id] = running.get(seq.tenant_id, 0) + 1
+            return self.pool.report(self.policy, running)
+
+    def pool_apply(self, reports) -> None:
+        """Take the other workers' reports (`fairshare.pool_board.WorkerReport`s) into the policy's
+        counters (pool-wide VTC; `worker.scheduling.pool`). Safe on any thread."""
+        with self._state_lock:
+            self.pool.apply(reports, self.policy)
+
     # ---- introspection --------------------------------------------------------------------------
     def snapshot(self) -> dict:
         """Load figures for GetLoad / metrics (safe on any thread; may be one step stale)."""
         with self._state_lock:
-            return self._with_cache(self._snapshot())
+            return self._with_pool(self._with_cache(self._snapshot()))
+
+    def _with_pool(self, snap: dict) -> dict:
+        """Add the pool counters' figures: other workers in the last board read (pool_workers), and
+        per tenant the service units charged to it elsewhere as seen so far (pool_service)."""
+        snap["pool_workers"] = self.pool.workers
+        for t in snap["tenants"]:
+            t["pool_service"] = self.pool.elsewhere.get(t["tenant_id"], 0.0)
+        return snap
 
     def _with_cache(self, snap: dict) -> dict:
         """Add the prefix cache's figures: pool-wide (cache_blocks, cache_public_blocks,

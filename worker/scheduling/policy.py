@@ -25,6 +25,9 @@ left: the scheduler's definition of backlogged; running decodes do not count).
   counter is charged the *predicted* output cost; as tokens arrive, only tokens beyond the
   prediction are charged; at the end the unused part of the prediction is refunded. The
   prediction is a per-tenant exponential moving average of past output lengths.
+- Pool-wide counters (`worker.scheduling.pool`): `apply_pool` adds the service a tenant got on
+  other workers to its VTC counter and lifts tenants that became backlogged elsewhere; a local
+  arrival of a tenant backlogged elsewhere is not lifted. Policies without counters ignore it.
 - `FCFSPolicy`: first come, first served across tenants (the baseline); counters are still kept so
   that every policy's service is reported the same way.
 - `DRRPolicy` (worker/scheduling/drr.py): deficit round robin.
@@ -35,9 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from fairshare.tiers import TIERS  # noqa: F401 (re-exported: the tier order, highest first)
 from worker.scheduling.cost import CostFunction, LinearCost
-
-TIERS = ("interactive", "batch", "background")
 
 
 @dataclass
@@ -48,6 +50,8 @@ class TenantAccount:
     `VTCPredictPolicy` it also holds outstanding predicted charges). charged_service: unweighted
     service units actually consumed. prompt_tokens / output_tokens: tokens charged. backlogged:
     whether the tenant has queued work or prefill left right now (set by on_arrival / on_idle).
+    lift: the part of the counter that VTC's lifts added (weighted units; pool-wide counters merge
+    it across workers, `worker.scheduling.pool`).
     """
 
     tenant_id: str
@@ -58,6 +62,7 @@ class TenantAccount:
     prompt_tokens: int = 0
     output_tokens: int = 0
     backlogged: bool = False
+    lift: float = 0.0
 
 
 class SchedulingPolicy:
@@ -157,6 +162,10 @@ class SchedulingPolicy:
     def _lift(self, acct: TenantAccount) -> None:
         """Hook: adjust a tenant's counter when it becomes backlogged. No-op by default."""
 
+    def apply_pool(self, inputs) -> None:
+        """Pool-wide counters (`worker.scheduling.pool.PoolInputs`: service charged elsewhere since
+        the last read, tenants backlogged elsewhere). No-op for policies without counters."""
+
     # ---- decisions ----------------------------------------------------------------------------
     # Whether a charge can only raise `key` (the core then re-keys a charged tenant lazily, when it
     # reaches the top of its heap, instead of at every charge). Lifts, refunds and head changes are
@@ -209,12 +218,59 @@ class VTCPolicy(SchedulingPolicy):
     name = "vtc"
     key_rises_with_charges = True  # Δc / w >= 0 (VTC-pred: only what exceeds the prediction)
 
-    def _lift(self, acct: TenantAccount) -> None:
+    def __init__(self, cost: CostFunction | None = None) -> None:
+        super().__init__(cost)
+        # pool-wide counters (worker.scheduling.pool): tenants backlogged on another worker, and
+        # tenants with no local account yet: tenant -> [counter, weight, tier, lift]
+        self._elsewhere: set[str] = set()
+        self._shadow: dict[str, list] = {}
+
+    def account(self, tenant_id: str, weight: float | None = None, tier: str | None = None) -> TenantAccount:
+        new = tenant_id not in self.accounts
+        acct = super().account(tenant_id, weight, tier)
+        if new and tenant_id in self._shadow:  # known from the pool: start where the pool has it
+            acct.virtual_counter, _, _, acct.lift = self._shadow.pop(tenant_id)
+        return acct
+
+    def pool_lift_floor(self, tenant_id: str, tier: str) -> float:
+        """Counter a tenant becoming pool-backlogged is lifted to: the smallest counter among the
+        other tenants of `tier` backlogged here or elsewhere, else the last counter seen."""
         others = [a.virtual_counter for a in self.accounts.values()
-                  if a.backlogged and a is not acct and a.tier == acct.tier]
-        floor = min(others) if others else self._last_counter_by_tier.get(acct.tier, 0.0)
+                  if a.tenant_id != tenant_id and a.tier == tier and (a.backlogged or a.tenant_id in self._elsewhere)]
+        others += [row[0] for t, row in self._shadow.items() if t != tenant_id and row[2] == tier and t in self._elsewhere]
+        return min(others) if others else self._last_counter_by_tier.get(tier, 0.0)
+
+    def _lift(self, acct: TenantAccount) -> None:
+        if acct.tenant_id in self._elsewhere:
+            return  # backlogged on another worker: still in the pool's queue, no lift
+        floor = self.pool_lift_floor(acct.tenant_id, acct.tier)
         if acct.virtual_counter < floor:
+            acct.lift += floor - acct.virtual_counter
             acct.virtual_counter = floor
+
+    def apply_pool(self, inputs) -> None:
+        """Pool-wide counters (`worker.scheduling.pool`): add service charged elsewhere (`Δc / w`) to
+        each tenant's counter and take the largest lift any worker made (lifts only grow, so the
+        largest is the latest: the worker where a tenant returned lifted it, and every other worker
+        takes that lift from its report). Tenants backlogged elsewhere are not lifted on arrival here."""
+        for tid in set(inputs.increments) | set(inputs.lifts):
+            units, lift = inputs.increments.get(tid, 0.0), inputs.lifts.get(tid, 0.0)
+            acct = self.accounts.get(tid)
+            if acct is not None:
+                extra = max(0.0, lift - acct.lift)
+                acct.virtual_counter += units / acct.weight + extra
+                acct.lift += extra
+                self._notify(acct)
+            else:
+                row = self._shadow.setdefault(tid, [0.0, inputs.weights.get(tid, 1.0), inputs.tiers.get(tid, TIERS[0]), 0.0])
+                extra = max(0.0, lift - row[3])
+                row[0] += units / max(row[1], 1e-9) + extra
+                row[3] += extra
+        self._elsewhere = set(inputs.backlogged)
+
+    def _notify(self, acct: TenantAccount) -> None:
+        """A counter changed outside a charge (pool input): the core re-keys the tenant at once."""
+        self._changed(acct)
 
     def key(self, tenant_id: str, head_arrival: float) -> tuple:
         """(virtual counter, tenant id): the smallest counter first, ties by tenant id."""

@@ -13,8 +13,10 @@ Targets (SGLang 0.5.23):
 | target | type | what the hook does |
 |---|---|---|
 | `sglang.srt.managers.scheduler.Scheduler._add_request_to_queue(self, req, is_retracted=False)` | BEFORE | verify the tenant, enforce its namespace, lift on arrival (not for retracted requests) |
-| `sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority(self, waiting_queue, running_batch=None, processed_tokens=0)` | AFTER | order the waiting queue by tenant virtual counter |
-| `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; retire requests aborted while waiting; mark tenants with nothing queued and no prefill left idle |
+| `sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority(self, waiting_queue, running_batch=None, processed_tokens=0)` | AFTER | order the waiting queue: the core's plan for the pass, then `SchedulingCore.admission_order()` |
+| `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch)` | BEFORE | one iteration of the scheduling core (`FairShareState.begin_pass`): its preemptions, carried out with SGLang's release functions, and its prefill plan |
+| `sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class(self) -> type` | REPLACE | `FairSharePrefillAdder`: admits exactly the plan (tokens per request), skips the rest, parks the chunk |
+| `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; planned admissions SGLang refused go back to the core's queue; retire requests aborted while waiting |
 | `sglang.srt.managers.scheduler.Scheduler.process_batch_result(self, batch, result)` | AFTER | charge output tokens as `output_ids` grow; retire finished requests |
 | `sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod) | REPLACE | retraction order: over-quota tenants first |
 """
@@ -56,6 +58,7 @@ def before_add_request_to_queue(*args, **kwargs):
     """BEFORE `Scheduler._add_request_to_queue(self, req, is_retracted=False)`."""
     state = _state
     if state is not None:
+        state.bind(args[0] if args else None)
         req = _arg(args, kwargs, 1, "req")
         state.on_arrival(req, bool(_arg(args, kwargs, 2, "is_retracted", False)))
     return None
@@ -72,6 +75,17 @@ def after_calc_priority(result, *args, **kwargs):
     return None
 
 
+def before_get_new_batch_prefill(*args, **kwargs):
+    """BEFORE `Scheduler.get_new_batch_prefill(self, running_batch)`: the core's iteration
+    (preemptions carried out with SGLang's release functions, then the prefill plan the adder
+    follows)."""
+    state = _state
+    scheduler = args[0] if args else None
+    if state is not None and scheduler is not None and _reconcilable(scheduler):
+        state.begin_pass(scheduler, _arg(args, kwargs, 1, "running_batch"))
+    return None
+
+
 def after_get_new_batch_prefill(result, *args, **kwargs):
     """AFTER `Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan`."""
     state = _state
@@ -81,10 +95,71 @@ def after_get_new_batch_prefill(result, *args, **kwargs):
     batch = getattr(result, "batch_to_run", None)
     if batch is not None:
         state.charge_prefill(batch.reqs, skip=getattr(batch, "decoding_reqs", None) or ())
+    state.end_pass(batch)
     if scheduler is not None and _reconcilable(scheduler):
         state.reconcile(_live_requests(scheduler, result))
-        state.mark_idle([*scheduler.waiting_queue, getattr(scheduler, "chunked_req", None)])
     return None
+
+
+def replace_get_prefill_adder_class(*args, **kwargs):
+    """REPLACE `Scheduler.get_prefill_adder_class(self) -> type`: FairShare's `PrefillAdder`."""
+    return prefill_adder_class()
+
+
+_adder_class = None
+
+
+def prefill_adder_class():
+    """`FairSharePrefillAdder`, a subclass of SGLang's `PrefillAdder` that carries out the core's
+    plan for the pass (`FairShareState.begin_pass`): it admits exactly the planned requests with
+    the planned tokens, skips (`AddReqResult.CONTINUE`) any other, and parks the chunked request
+    when the core serves other work first. Without a plan it is SGLang's adder. Built on first use
+    (this module must import without SGLang)."""
+    global _adder_class
+    if _adder_class is not None:
+        return _adder_class
+    from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+    class FairSharePrefillAdder(PrefillAdder):
+        def add_chunked_req(self, req):
+            state = _state
+            if state is None or state.plan is None:
+                return super().add_chunked_req(req)
+            n = state.planned_tokens(req)
+            if n is None:
+                req.extend_end = req.prefix_len  # parked: nothing computed this pass
+                return req
+            self.chunked_req_limit = n if self.chunked_req_limit is None else min(self.chunked_req_limit, n)
+            return super().add_chunked_req(req)
+
+        def add_one_req(self, req, has_chunked_req, truncation_align_size):
+            state = _state
+            if state is None or state.plan is None:
+                return super().add_one_req(req, has_chunked_req, truncation_align_size)
+            n = state.planned_tokens(req)
+            if n is None:
+                return AddReqResult.CONTINUE  # not the core's choice for this pass: skip it
+            extend = len(req.full_untruncated_fill_ids) - req.prefix_len
+            if n < extend and has_chunked_req:
+                # a second partial prefill while the chunk is parked (sglang-backend.md "cannot" 1)
+                return AddReqResult.CONTINUE
+            saved = self.rem_chunk_tokens
+            self.rem_chunk_tokens = n if saved is None else min(saved, n)
+            before = self.rem_chunk_tokens
+            try:
+                res = super().add_one_req(req, has_chunked_req, truncation_align_size)
+            finally:
+                used = before - self.rem_chunk_tokens
+                self.rem_chunk_tokens = None if saved is None else saved - used
+            # whatever SGLang's own checks said (a refusal is heard by the core after the pass,
+            # `FairShareState.end_pass`), go on while planned requests remain
+            admitted = {id(r) for r in self.can_run_list}
+            if any(id(r) not in admitted for r in state.plan.admitted):
+                return AddReqResult.CONTINUE
+            return AddReqResult.OTHER
+
+    _adder_class = FairSharePrefillAdder
+    return _adder_class
 
 
 def after_process_batch_result(result, *args, **kwargs):
@@ -155,8 +230,12 @@ HOOKS: tuple[Hook, ...] = (
          (("self", ...), ("req", ...), ("is_retracted", False))),
     Hook(f"{SCHEDULE_POLICY}.calc_priority", "AFTER", after_calc_priority,
          (("self", ...), ("waiting_queue", ...), ("running_batch", None), ("processed_tokens", 0))),
+    Hook(f"{SCHEDULER}.get_new_batch_prefill", "BEFORE", before_get_new_batch_prefill,
+         (("self", ...), ("running_batch", ...))),
     Hook(f"{SCHEDULER}.get_new_batch_prefill", "AFTER", after_get_new_batch_prefill,
          (("self", ...), ("running_batch", ...))),
+    Hook(f"{SCHEDULER}.get_prefill_adder_class", "REPLACE", replace_get_prefill_adder_class,
+         (("self", ...),)),
     Hook(f"{SCHEDULER}.process_batch_result", "AFTER", after_process_batch_result,
          (("self", ...), ("batch", ...), ("result", ...))),
     Hook(f"{SCHEDULE_BATCH}._get_decode_retraction_order", "REPLACE", replace_decode_retraction_order,

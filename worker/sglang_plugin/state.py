@@ -6,9 +6,11 @@ only these fields: `rid`, `origin_input_ids`, `output_ids`, `prefix_len`, `exten
 `max_new_tokens`) — and it writes `extra_key` (namespace enforcement) and one attribute of its own,
 `fairshare_tag`.
 
-The policy objects are those of the reference engine (`worker.scheduling`): `make_policy`,
-`SchedulingPolicy.on_arrival / on_admit / charge / on_request_finish / on_idle / order`, the
-tenant accounts, and the cost function's `prefill` / `decode`.
+Every scheduling decision is the reference engine's scheduling core's
+(`worker.scheduling.core.SchedulingCore`): queues, tiers, the fairness policy's picks, admission,
+preemption; this module reports SGLang's state to it (as its `Executor`) and carries out its plan
+through the hooks (`worker.sglang_plugin.hooks`). Charges go to the policy (`policy.charge`), which
+the core hears.
 
 Determinism: each tensor-parallel rank runs its own scheduler on the same inputs, so every
 decision here is a function of the requests and of the order of hook calls only: no clocks, no
@@ -21,9 +23,10 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+from worker.scheduling.core import OUT_OF_BLOCKS, SchedulingCore
 from worker.scheduling.cost import CostFunction, LinearCost
 from worker.scheduling.policy import SchedulingPolicy, make_policy
 from worker.sglang_plugin import tenant as tenant_mod
@@ -55,19 +58,28 @@ class TrackedRequest:
 
 
 class FairShareState:
-    """Tenant accounts and per-request charging for one scheduler.
+    """Tenant accounts, per-request charging and the scheduling core for one SGLang scheduler.
+
+    Every scheduling decision is the scheduling core's (`worker.scheduling.core.SchedulingCore`,
+    the reference engine's own): this object is the core's `Executor` over SGLang `Req`s and turns
+    the core's plan for a scheduling pass into what SGLang's hooks can impose (the waiting-queue
+    order, the requests the prefill adder may admit and how many tokens each, the chunk to park,
+    the requests to release before the pass). docs/sglang-backend.md maps each decision.
 
     policy: a policy name for `make_policy` (`vtc`, `vtc-pred`, `drr`, `fcfs`) or a
     `SchedulingPolicy`. cost: the cost function (default `LinearCost()`; ignored when a policy
     object is given). secret: HMAC secret for tenant tokens (None: every request is unverified).
-    kv_quotas: soft KV quota per tenant, in tokens; tenants without one get their weighted share of
-    the tokens the decode batch holds. retraction_base: SGLang's own retraction order
-    (`reqs -> keep-first indices`), used inside each tenant; None: longest output kept first.
+    kv_quotas: soft KV quota per tenant, in tokens, read by the retraction order; tenants without
+    one get their weighted share of the tokens the decode batch holds. retraction_base: SGLang's
+    own retraction order (`reqs -> keep-first indices`), used inside each tenant; None: longest
+    output kept first. returning: returning-tenant preemption (default: every policy but FCFS, as
+    the reference engine builds it). max_skips: memory skips before a reservation.
     """
 
     def __init__(self, policy: str | SchedulingPolicy = "vtc", cost: CostFunction | None = None, *,
                  secret: str | None = None, kv_quotas: dict[str, float] | None = None,
-                 retraction_base: Callable[[list], list[int]] | None = None, **policy_options) -> None:
+                 retraction_base: Callable[[list], list[int]] | None = None, returning: bool | None = None,
+                 max_skips: int = 8, **policy_options) -> None:
         if isinstance(policy, SchedulingPolicy):
             self.policy = policy
         else:
@@ -76,13 +88,120 @@ class FairShareState:
         self.secret = secret
         self.kv_quotas = dict(kv_quotas or {})
         self.retraction_base = retraction_base
+        self.returning = self.policy.name != "fcfs" if returning is None else returning
+        self.max_skips = max_skips
         self.tracked: dict[str, TrackedRequest] = {}
         self.live: dict[str, int] = {}          # tenant -> tracked requests
         self.finished: dict[str, int] = {}      # tenant -> requests ended (any reason)
         self.retractions: dict[str, int] = {}   # tenant -> requests retracted
+        self.plan_refusals = 0                  # planned admissions SGLang did not carry out
         self._arrivals = 0
         self._used_rids: dict[str, int] = {}   # rid -> expiry of the token it was verified with (replay)
         self._token_expiries: list[tuple[int, str]] = []
+        self._core: SchedulingCore | None = None
+        self.scheduler = None                   # the SGLang Scheduler this state serves
+        self._batch = None                      # the running batch of the pass being planned
+        self._sglang_retracted = False          # a preemption SGLang already carried out
+        self.plan: PassPlan | None = None
+
+    # ---- the core -----------------------------------------------------------------------------
+    @property
+    def core(self) -> SchedulingCore:
+        """The scheduling core, built on first use with the bound scheduler's sizes (KV pool,
+        running slots, chunk) or, unbound, an unbounded pool."""
+        if self._core is None:
+            s = self.scheduler
+            page = self.page_size
+            chunk = int(getattr(s, "chunked_prefill_size", None) or 0) if s is not None else 0
+            if chunk <= 0:
+                chunk = int(getattr(s, "max_prefill_tokens", 0) or 0) if s is not None else 0
+            chunk = chunk if chunk > 0 else 8192
+            if s is not None:
+                total = max(1, int(s.token_to_kv_pool_allocator.size) // page)
+                slots = max(1, int(getattr(s, "max_running_requests", None) or 1 << 20))
+            else:
+                total, slots = 1 << 40, 1 << 20
+            # SGLang admits whole requests and truncates only the last one (sglang-backend.md
+            # "cannot" 1): the core picks at that granularity, a slice = the chunk
+            self._core = SchedulingCore(self.policy, self.cost, self, total_blocks=total, max_running=slots,
+                                        chunk_tokens=chunk, prefill_slice=chunk, max_skips=self.max_skips,
+                                        returning=self.returning)
+        return self._core
+
+    def bind(self, scheduler) -> None:
+        """Serve `scheduler` (an SGLang `Scheduler`; the hooks call this with `self`)."""
+        if (scheduler is not None and self.scheduler is None and self._core is None
+                and hasattr(scheduler, "token_to_kv_pool_allocator") and hasattr(scheduler, "tree_cache")):
+            self.scheduler = scheduler
+
+    @property
+    def page_size(self) -> int:
+        return max(1, int(getattr(self.scheduler, "page_size", 1) or 1)) if self.scheduler is not None else 1
+
+    def _pages(self, tokens: int) -> int:
+        p = self.page_size
+        return -(-max(0, int(tokens)) // p)
+
+    # ---- the core's Executor protocol (handles are SGLang Reqs) ---------------------------------
+    @staticmethod
+    def _total(req) -> int:
+        return len(req.origin_input_ids) + len(req.output_ids)
+
+    @staticmethod
+    def _computed(req) -> int:
+        kv = getattr(req, "kv", None)
+        return int(getattr(kv, "kv_committed_len", 0) or 0) if kv is not None else int(getattr(req, "extend_end", 0) or 0)
+
+    def admission_need(self, req) -> int:
+        """Pages a waiting request takes to finish its prefill (its prompt and outputs so far)."""
+        return self._pages(self._total(req))
+
+    def blocks_held(self, req) -> int:
+        kv = getattr(req, "kv", None)
+        return self._pages(getattr(kv, "kv_allocated_len", 0) or 0) if kv is not None else 0
+
+    def blocks_promised(self, req) -> int:
+        return max(0, self._pages(self._total(req)) - self.blocks_held(req))
+
+    def prefill_left(self, req) -> int:
+        n = self._total(req) - self._computed(req)
+        return n if n > 1 else 0
+
+    def prefill_room(self, req, have: int) -> int:
+        return (self.blocks_held(req) + self.free_blocks()) * self.page_size - self._computed(req) - have
+
+    def free_blocks(self) -> int:
+        s = self.scheduler
+        if s is None:
+            return self.core.ledger.total_blocks
+        return (int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())) // self.page_size
+
+    def preempt(self, req) -> None:
+        """Carry out the core's recompute preemption with SGLang's own functions (as
+        `Scheduler.update_running_batch` does after `retract_decode`): `release_req`,
+        `filter_batch`, then `_add_request_to_queue(req, is_retracted=True)`."""
+        if self._sglang_retracted:
+            return  # SGLang retracted it itself; the core only records it
+        s, batch = self.scheduler, self._batch
+        if s is None or batch is None:
+            raise RuntimeError("fairshare: a preemption outside a scheduling pass")
+        if req is getattr(s, "chunked_req", None):
+            from sglang.srt.managers.schedule_batch import release_req
+
+            release_req(req=req, remaing_req_count=len(batch.reqs), req_to_token_pool=s.req_to_token_pool,
+                        token_to_kv_pool_allocator=s.token_to_kv_pool_allocator, tree_cache=s.tree_cache,
+                        hisparse_coordinator=None)
+            s.chunked_req = None
+        else:
+            idx = next(i for i, r in enumerate(batch.reqs) if r is req)
+            batch.release_req(idx, len(batch.reqs) - 1)
+            batch.filter_batch(keep_indices=[i for i in range(len(batch.reqs)) if i != idx])
+        batch.batch_is_full = False
+        self._sglang_retracted = True  # the core requeues it itself once this returns
+        try:
+            s._add_request_to_queue(req, is_retracted=True)
+        finally:
+            self._sglang_retracted = False
 
     # ---- identity ---------------------------------------------------------------------------
     def tag_of(self, req) -> TenantTag:
@@ -128,27 +247,28 @@ class FairShareState:
 
     # ---- events -----------------------------------------------------------------------------
     def on_arrival(self, req, is_retracted: bool = False) -> None:
-        """Before SGLang queues `req` (`Scheduler._add_request_to_queue`). A new request marks its
-        tenant backlogged, lifting its counter (VTC); a retracted or otherwise re-queued one marks
-        it backlogged without a lift."""
+        """Before SGLang queues `req` (`Scheduler._add_request_to_queue`). A new request is queued
+        in the core (its tenant backlogged, lifted by VTC); a request SGLang retracted is a
+        recompute preemption for the core (back at the front of its tenant's queue, no lift)."""
         tag = self.tag_of(req)
-        if req.rid in self.tracked:
-            self.policy.account(tag.tenant_id).backlogged = True
+        tr = self.tracked.get(req.rid)
+        if tr is None:
+            self._track(req, tag)
             if is_retracted:
                 self.retractions[tag.tenant_id] = self.retractions.get(tag.tenant_id, 0) + 1
             return
         if is_retracted:
-            self._track(req, tag, lift=False)
             self.retractions[tag.tenant_id] = self.retractions.get(tag.tenant_id, 0) + 1
-        else:
-            self._track(req, tag, lift=True)
+        e = self.core.entries.get(req.rid)
+        if e is not None and e.running and not self._sglang_retracted:
+            # SGLang's own retraction (ScheduleBatch.retract_decode): the core requeues it
+            self._sglang_retracted = True
+            try:
+                self.core.preempt(e, OUT_OF_BLOCKS)
+            finally:
+                self._sglang_retracted = False
 
-    def _track(self, req, tag: TenantTag, lift: bool) -> TrackedRequest:
-        acct = self.policy.account(tag.tenant_id, tag.weight, tag.tier)
-        if lift:
-            self.policy.on_arrival(tag.tenant_id, tag.weight, tag.tier)
-        else:
-            acct.backlogged = True  # backlogged again without a lift (its work was already there)
+    def _track(self, req, tag: TenantTag) -> TrackedRequest:
         params = getattr(req, "sampling_params", None)
         max_new = getattr(params, "max_new_tokens", None)
         tr = TrackedRequest(rid=req.rid, tag=tag, prompt_len=len(req.origin_input_ids),
@@ -156,66 +276,132 @@ class FairShareState:
         self._arrivals += 1
         self.tracked[req.rid] = tr
         self.live[tag.tenant_id] = self.live.get(tag.tenant_id, 0) + 1
+        self.core.add(req.rid, tag.tenant_id, req, weight=tag.weight, tier=tag.tier, arrival=float(tr.arrival),
+                      prompt_tokens=tr.prompt_len, max_tokens=tr.max_new_tokens)
         return tr
 
     def _get(self, req) -> TrackedRequest:
         tr = self.tracked.get(req.rid)
-        if tr is None:  # queued by a path that bypassed _add_request_to_queue: account it, no lift
-            tr = self._track(req, self.tag_of(req), lift=False)
+        if tr is None:  # queued by a path that bypassed _add_request_to_queue: account it
+            tr = self._track(req, self.tag_of(req))
         return tr
 
     def _end(self, tr: TrackedRequest) -> None:
         t = tr.tag.tenant_id
-        self.policy.on_request_finish(t, tr.rid, tr.prompt_len, tr.outputs_charged)
+        self.core.finish(tr.rid, tr.prompt_len, tr.outputs_charged)
         del self.tracked[tr.rid]
         self.finished[t] = self.finished.get(t, 0) + 1
         n = self.live[t] = self.live.get(t, 1) - 1
         if n <= 0:
             del self.live[t]
-            self.policy.on_idle(t)
+
+    # ---- one scheduling pass: the core's plan ---------------------------------------------------
+    def begin_pass(self, scheduler, running_batch) -> "PassPlan":
+        """Before `Scheduler.get_new_batch_prefill(self, running_batch)`: one iteration of the
+        core, as the reference engine runs it (`worker/engine/scheduler.py` `schedule`).
+
+        `begin_iteration` (tier, reclaim and returning-tenant preemptions, carried out by
+        `preempt`), then the prefill round over the pass's token budget (SGLang's chunk less the
+        decodes riding along with mixed chunked prefill): each pick admits a waiting head or
+        continues the running partial prefill, takes up to the budget, and is charged at once, so
+        the policy's counters move between picks exactly as in the reference. The plan (requests
+        and tokens, in order) is what the prefill adder then carries out. Returns it."""
+        self.bind(scheduler)
+        if self.scheduler is not scheduler:
+            raise RuntimeError("fairshare: one plugin state serves one SGLang scheduler")
+        core = self.core
+        self._batch = running_batch
+        try:
+            for req in list(scheduler.waiting_queue):
+                self._get(req)
+            core.begin_iteration(self.free_blocks(), self._promised())
+            decodes = sum(1 for e in core.running.values() if self.prefill_left(e.handle) == 0)
+            budget = core.chunk_tokens - (decodes if getattr(scheduler, "is_mixed_chunk", False) else 0)
+            plan = PassPlan()
+            if budget > 0:
+                core.begin_prefill(budget, self.free_blocks(), self._promised())
+                while (e := core.next_prefill()) is not None:
+                    req = e.handle
+                    if not e.running:
+                        core.admit(e)
+                        self.tracked[e.request_id].admitted = True
+                        plan.admitted.append(req)
+                    have = core.allocated(e)
+                    n = min(core.prefill_slice, self.prefill_left(req) - have, core.prefill_budget,
+                            self.prefill_room(req, have))
+                    if n <= 0:
+                        core.cannot_serve(e)
+                        continue
+                    self._charge_planned(req, self._computed(req) + have, n)
+                    plan.tokens[req.rid] = plan.tokens.get(req.rid, 0) + n
+                    core.served(e, n)
+                core.end_prefill()
+            core.end_iteration()
+        finally:
+            self._batch = None
+        if plan.tokens:
+            running_batch.batch_is_full = False  # the core has admissible work: undo SGLang's latch
+        self.plan = plan
+        return plan
+
+    def _promised(self) -> int:
+        return sum(self.blocks_promised(e.handle) for e in self.core.running.values())
+
+    def _charge_planned(self, req, start: int, n: int) -> None:
+        """Charge the prompt positions in [start, start+n) never charged before (as the reference
+        charges a slice when it is scheduled; `charge_prefill` then finds them accounted)."""
+        tr = self.tracked[req.rid]
+        lo = max(start, tr.prompt_accounted)
+        hi = min(start + n, tr.prompt_len)
+        if hi > lo:
+            units = self.cost.prefill(hi - lo, 0, start=lo)
+            self.policy.charge(tr.tag.tenant_id, units, prompt_tokens=hi - lo, request_id=tr.rid)
+            tr.prompt_accounted = hi
+
+    def planned_tokens(self, req) -> int | None:
+        """Tokens the current pass's plan gives `req` (None: not in the plan, or no plan)."""
+        return None if self.plan is None else self.plan.tokens.get(req.rid)
+
+    def end_pass(self, batch) -> list[str]:
+        """After `get_new_batch_prefill`: planned admissions SGLang did not carry out (its own
+        memory check refused them, sglang-backend.md "cannot" 4, or a second partial prefill,
+        "cannot" 1) go back to the front of their tenant's queue in the core. Returns their ids."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return []
+        ran = {r.rid for r in (batch.reqs if batch is not None else ())}
+        missed = [r for r in plan.admitted if r.rid not in ran and not r.finished()]
+        for req in missed:
+            e = self.core.entries.get(req.rid)
+            if e is not None and e.running:
+                self._sglang_retracted = True
+                try:
+                    self.core.preempt(e, OUT_OF_BLOCKS)
+                finally:
+                    self._sglang_retracted = False
+        self.plan_refusals += len(missed)
+        return [r.rid for r in missed]
 
     # ---- ordering ---------------------------------------------------------------------------
     def order_waiting(self, waiting_queue: list) -> None:
-        """Reorder SGLang's waiting queue in place (after `SchedulePolicy.calc_priority`).
-
-        VTC family: each request gets its tenant's *projected* counter: the counter now plus the
-        estimated prefill cost (uncached prompt tokens, per the cost function, over the weight) of
-        the tenant's requests ahead of it; the queue is sorted by (projected counter, tenant id,
-        position). The tenant with the smallest counter goes first and one prefill batch is shared
-        among tenants the way VTC would share it request by request. Within a tenant, retracted
-        requests come first, then SGLang's own order (e.g. longest prefix match).
-        FCFS: SGLang's order is kept. Other policies: tenants in `policy.order(...)` order, each
-        tenant's requests in SGLang's order.
-        """
-        if len(waiting_queue) < 2 or self.policy.name == "fcfs":
-            for req in waiting_queue:
-                self._get(req)
+        """Reorder SGLang's waiting queue in place (after `SchedulePolicy.calc_priority`): the
+        current pass's planned admissions first, in the plan's order, then every other waiting
+        request in the core's admission order (`SchedulingCore.admission_order`: owed tiers first,
+        then tiers by priority, within a tier the policy's projected order, a tenant's retracted
+        requests ahead of its newer work)."""
+        for req in waiting_queue:
+            self._get(req)
+        if len(waiting_queue) < 2:
             return
-        per_tenant: dict[str, list[tuple[int, object]]] = {}
-        for pos, req in enumerate(waiting_queue):
-            per_tenant.setdefault(self._get(req).tag.tenant_id, []).append((pos, req))
-        keys: dict[int, tuple] = {}
-        if self.policy.name.startswith("vtc"):
-            for t, items in per_tenant.items():
-                acct = self.policy.accounts[t]
-                v = acct.virtual_counter
-                items.sort(key=lambda it: (not getattr(it[1], "is_retracted", False), it[0]))
-                for k, (pos, req) in enumerate(items):
-                    keys[id(req)] = (v, t, k)
-                    v += self._estimated_prefill(req) / acct.weight
-        else:
-            heads = {t: min(self.tracked[r.rid].arrival for _, r in items) for t, items in per_tenant.items()}
-            rank = {t: i for i, t in enumerate(self.policy.order(sorted(per_tenant), heads))}
-            for t, items in per_tenant.items():
-                items.sort(key=lambda it: (not getattr(it[1], "is_retracted", False), it[0]))
-                for k, (pos, req) in enumerate(items):
-                    keys[id(req)] = (rank[t], t, k)
-        waiting_queue.sort(key=lambda r: keys[id(r)])
-
-    def _estimated_prefill(self, req) -> float:
-        tr = self.tracked[req.rid]
-        start = max(int(getattr(req, "prefix_len", 0) or 0), tr.prompt_accounted)
-        return self.cost.prefill(max(0, tr.prompt_len - start), 0, start=tr.prompt_accounted)
+        rank: dict[str, int] = {}
+        for req in (self.plan.admitted if self.plan is not None else ()):
+            rank.setdefault(req.rid, len(rank))
+        for req in self.core.admission_order():
+            rank.setdefault(req.rid, len(rank))
+        last = len(rank)
+        keyed = [(rank.get(r.rid, last), i, r) for i, r in enumerate(waiting_queue)]
+        keyed.sort(key=lambda k: (k[0], k[1]))
+        waiting_queue[:] = [r for _, _, r in keyed]
 
     # ---- charging ---------------------------------------------------------------------------
     def charge_prefill(self, reqs: Iterable, skip: Sequence = ()) -> float:
@@ -235,9 +421,12 @@ class FairShareState:
                 continue
             tr = self._get(req)
             t = tr.tag.tenant_id
-            if not tr.admitted:
+            if not tr.admitted:  # admitted outside the core's plan (no plan was made for the pass)
                 tr.admitted = True
-                self.policy.on_admit(t, tr.rid, tr.prompt_len, tr.max_new_tokens)
+                e = self.core.entries.get(tr.rid)
+                if e is not None and not e.admitted_once:
+                    e.admitted_once = True
+                    self.policy.on_admit(t, tr.rid, tr.prompt_len, tr.max_new_tokens)
             lo, hi, p = int(req.prefix_len), int(req.extend_end), tr.prompt_len
             done = tr.prompt_accounted
             cached = max(0, min(lo, p) - done)
@@ -272,21 +461,6 @@ class FairShareState:
             if req.finished():
                 self._end(tr)
         return total
-
-    def mark_idle(self, pending_reqs: Iterable) -> list[str]:
-        """Tell the policy which tenants stopped being backlogged, after a scheduling pass.
-
-        Backlogged is the reference scheduler's definition (worker/engine/scheduler.py): queued
-        requests or prefill left. `pending_reqs`: SGLang's waiting queue plus the request whose
-        chunked prefill continues. A tenant whose requests are all past prefill is idle even while
-        they decode (VTC, Sheng et al. OSDI 2024, Algorithm 2), so its next new request is lifted.
-        Returns the tenants marked idle, in account order.
-        """
-        pending = {self.tag_of(r).tenant_id for r in pending_reqs if r is not None}
-        idle = [a.tenant_id for a in self.policy.backlogged() if a.tenant_id not in pending]
-        for t in idle:
-            self.policy.on_idle(t)
-        return idle
 
     def reconcile(self, live_reqs: Iterable) -> list[str]:
         """Retire tracked requests that are no longer anywhere in the scheduler (aborted while
@@ -344,3 +518,13 @@ class FairShareState:
                       "output_tokens": a.output_tokens, "backlogged": a.backlogged, "live": self.live.get(t, 0),
                       "finished": self.finished.get(t, 0), "retractions": self.retractions.get(t, 0)}
         return out
+
+
+@dataclass
+class PassPlan:
+    """The core's plan for one SGLang scheduling pass: `admitted`, the waiting requests to admit,
+    in order; `tokens`, prefill tokens per request id (new admissions and the partial prefill
+    continued)."""
+
+    admitted: list = field(default_factory=list)
+    tokens: dict[str, int] = field(default_factory=dict)

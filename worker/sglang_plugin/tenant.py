@@ -55,6 +55,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
+from fairshare.tiers import TIERS
 from worker.cache.namespace import SECRET_ENV as CACHE_SECRET_ENV
 from worker.cache.namespace import derive_namespace
 
@@ -63,7 +64,6 @@ SECRET_ENV = "FAIRSHARE_SGLANG_SECRET"
 NAMESPACE_PREFIX = "fs|"
 UNVERIFIED_PREFIX = "fsu|"
 UNVERIFIED_TENANT = "_unverified"
-TIERS = ("interactive", "batch", "background")
 _VERSION = "v3"
 INTERNAL_TTL_S = 300.0  # seconds; it only has to cover the hop from the servicer to the scheduler
 _MAC_HEX = 32

@@ -56,6 +56,13 @@ def engine_config(policy: str, workload: Workload | None = None, **overrides) ->
     return EngineConfig(policy=policy, **settings)
 
 
+def synthetic_prompt(index: int, tokens: int) -> list[int]:
+    """The prompt of the `index`-th request of a workload that gives only lengths: `tokens` token
+    ids whose first one is unique per request, so no two requests share a cached prefix (the prefix
+    cache is on in the simulator as in the worker) unless a workload says so."""
+    return [1001 + index % 30000] + [1 + (k % 1000) for k in range(1, tokens)]
+
+
 def run_workload(workload: Workload, policy: str, time_model: IterationTimeModel, *, seed: int = 0,
                  rate_scale: float = 1.0, drain_s: float | None = None, keep_token_times: bool = True,
                  jitter: float = 0.0, **engine_overrides) -> SimResult:
@@ -83,10 +90,7 @@ def run_workload(workload: Workload, policy: str, time_model: IterationTimeModel
         now = clock()
         while i < len(requests) and requests[i].arrival_s <= now:
             r = requests[i]
-            # the first token is unique per request, so no two requests share a cached prefix
-            # unless a workload says so (the prefix cache is on in the simulator as in the worker)
-            prompt = [1001 + i % 30000] + [1 + (k % 1000) for k in range(1, r.prompt_tokens)]
-            engine.add_request(r.request_id, r.tenant_id, prompt,
+            engine.add_request(r.request_id, r.tenant_id, synthetic_prompt(i, r.prompt_tokens),
                                SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True), ignore,
                                weight=r.weight, tier=r.tier, arrival_time=r.arrival_s)
             if r.cancel_at_s is not None:

@@ -46,6 +46,7 @@ class Benchmark:
     quota: list[tuple[Workload, dict, dict]] = field(default_factory=list)
     # priority-tier workloads, each run solo / tiers / tiers + iteration target / tier-blind / FCFS
     tiers: list[tuple[Workload, list]] = field(default_factory=list)
+    pool: object | None = None  # worker.sim.pool_report.PoolBench, when the pool section is run
 
 
 def resolve_rate_scale(rate_scale: str | float, time_model: IterationTimeModel, **engine_overrides):
@@ -351,6 +352,10 @@ def write_report(bench: Benchmark, out: Path, img_dir: Path, command: str = "fai
         lines += tier_report.section(w, trows, bench.seed, bench.rate_scale, ttft_check=w.name == "tiers")
     for w, off, on in bench.quota:  # memory isolation: its own sections, not in the summary
         lines += quota_report.section(w, off, on, bench.policies[0], bench.seed, bench.rate_scale)
+    if bench.pool is not None:  # a pool of workers: worker/sim/pool_report.py
+        from worker.sim import pool_report
+
+        lines += pool_report.section(bench.pool)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     written.append(out)

@@ -70,6 +70,14 @@ class IterationTimeModel:
         """Seconds one iteration takes."""
         return self.a + self.b * prefill_tokens + self.c * batch_size + self.d * context_tokens
 
+    def faster(self, factor: float) -> "IterationTimeModel":
+        """The same model for a server `factor` times as fast (every coefficient divided by it): the
+        pool simulator's single worker with a pool's total capacity. Raises ValueError unless factor > 0."""
+        if not factor > 0:
+            raise ValueError("factor must be > 0")
+        return IterationTimeModel(self.a / factor, self.b / factor, self.c / factor, self.d / factor,
+                                  f"{self.source}, {factor:g}x as fast" if factor != 1 else self.source)
+
     def describe(self) -> str:
         return (f"t = {self.a * 1e3:.3f} ms + {self.b * 1e6:.2f} us*prefill_tokens + {self.c * 1e6:.2f} us*batch_size"
                 f" + {self.d * 1e9:.2f} ns*context_tokens  ({self.source})")

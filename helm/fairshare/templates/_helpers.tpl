@@ -73,15 +73,34 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/* Addresses -------------------------------------------------------------------------------- */}}
 
-{{/* The gateway's worker list: the stable DNS name of every worker pod (StatefulSet pod
-<worker>-<i> behind the headless Service <worker>), comma-separated host:port. */}}
-{{- define "fairshare.workerAddresses" -}}
+{{/* The gateway's worker entry: every address of the workers' headless Service, discovered live
+(gateway/discovery.py re-resolves it every few seconds), so scaling the StatefulSet needs nothing else. */}}
+{{- define "fairshare.workerDiscovery" -}}
 {{- $worker := include "fairshare.worker.fullname" . -}}
-{{- $addrs := list -}}
-{{- range $i := until (int .Values.worker.replicas) -}}
-{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%d" $worker $i $worker $.Release.Namespace $.Values.clusterDomain (int $.Values.worker.port)) -}}
+{{- printf "dns:///%s.%s.svc.%s:%d" $worker .Release.Namespace .Values.clusterDomain (int .Values.worker.port) -}}
 {{- end -}}
-{{- join "," $addrs -}}
+
+{{/* The Redis URL as an env entry's value or valueFrom (call with (dict "ctx" $ "name" "FAIRSHARE_REDIS_URL")). */}}
+{{- define "fairshare.redisUrlEnv" -}}
+- name: {{ .name }}
+{{- if .ctx.Values.redis.enabled }}
+  value: {{ include "fairshare.redisUrl" .ctx | quote }}
+{{- else if .ctx.Values.redis.external.existingSecret.name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .ctx.Values.redis.external.existingSecret.name }}
+      key: {{ .ctx.Values.redis.external.existingSecret.key }}
+{{- else }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "fairshare.secretName" .ctx }}
+      key: redis-url
+{{- end }}
+{{- end -}}
+
+{{/* Whether workers order by pool-wide counters through Redis (the reference engine's --pool-redis-url). */}}
+{{- define "fairshare.worker.pool" -}}
+{{- if and .Values.worker.poolCounters (eq .Values.worker.engine "reference") -}}true{{- end -}}
 {{- end -}}
 
 {{- define "fairshare.redisUrl" -}}

@@ -1,0 +1,85 @@
+"""The pool simulator (worker/sim/pool.py) and the pool section of the report (worker/sim/pool_report.py):
+the figures `fairshare sim run --workers N` and `fairshare sim report` print, on seeded runs (the
+simulator is deterministic, so these are exact figures, not samples)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from fairshare.sim import DEFAULT_PROFILE, main
+from loadtests.workloads.pool import SKEWED_OVERLOAD
+from loadtests.workloads.shared_prefix import SMALL
+from worker.sim import pool_report
+from worker.sim.pool import run_pool, single_worker_equivalent
+from worker.sim.report import resolve_rate_scale
+from worker.sim.runner import IterationTimeModel
+
+TM = IterationTimeModel.load(DEFAULT_PROFILE)
+
+
+def figure(text: str, pattern: str) -> float:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not printed in:\n{text[-2000:]}"
+    return float(m.group(1))
+
+
+def test_sim_run_pool_prints_the_summary_line_and_the_pool_wide_hit_rate(capsys):
+    argv = ["run", "shared-system-prompts-small", "--workers", "4", "--routing", "prefix", "--seed", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "max weighted service difference over co-backlogged intervals" in out
+    hit = figure(out, r"pool-wide prefix hit rate ([0-9.]+)")
+    res = run_pool(SMALL, "vtc", TM, workers=4, routing="prefix", seed=3,
+                   rate_scale=resolve_rate_scale("auto", TM)[0])
+    assert hit == pytest.approx(round(res.hit_rate, 3))
+    assert len(re.findall(r"^  worker w\d: ", out, re.M)) == 4
+    assert main(argv) == 0 and capsys.readouterr().out == out  # deterministic
+
+
+def test_routing_choice_changes_where_requests_go_and_fair_turns_pool_counters_on():
+    scale = resolve_rate_scale("auto", TM)[0]
+    ll = run_pool(SMALL, "vtc", TM, workers=4, routing="least-loaded", rate_scale=scale)
+    pre = run_pool(SMALL, "vtc", TM, workers=4, routing="prefix", rate_scale=scale)
+    fair = run_pool(SMALL, "vtc", TM, workers=4, routing="fair", rate_scale=scale)
+    assert not ll.pool_counters and not pre.pool_counters and fair.pool_counters
+    assert ll.finished == pre.finished == fair.finished == len(SMALL.requests(0, scale))
+    # prefix routing keeps each tenant's namespace on few workers: more of its prompt is cached
+    assert pre.hit_rate > ll.hit_rate
+
+
+@pytest.fixture(scope="module")
+def locality():
+    return pool_report.run_locality(TM, 4, seed=0, load=0.8, duration_s=300.0)[0]
+
+
+def test_prefix_and_fair_keep_one_workers_hit_rate_without_queueing_longer(locality):
+    """Must-show: on 4 workers at 80 % load, prefix and fair hit rates >= 90 % of one worker's at the
+    same total KV capacity, p99 queue time <= 1.2x least-loaded's (8 workers: the report)."""
+    single, ll = locality["single"], locality["least-loaded"]
+    for routing in ("prefix", "fair"):
+        r = locality[routing]
+        assert r.hit_rate >= 0.9 * single.hit_rate, (routing, r.hit_rate, single.hit_rate)
+        assert r.queue_p99_s <= 1.2 * ll.queue_p99_s, (routing, r.queue_p99_s, ll.queue_p99_s)
+        assert r.hit_rate > ll.hit_rate + 0.2
+    assert all(r.finished == single.finished for r in locality.values())
+
+
+def test_fair_keeps_pool_wide_shares_under_a_skewed_overload():
+    """Must-show: the skewed overload on 4 workers: fair's pool-wide max weighted service difference
+    >= 10x below per-worker VTC's (and FCFS's), its Jain index near one worker's."""
+    rows = pool_report.run_skew(TM, resolve_rate_scale("auto", TM)[0], seed=0, workload=SKEWED_OVERLOAD)
+    fair, per, fcfs = rows["fair"], rows["per-worker VTC"], rows["FCFS"]
+    single = rows[pool_report.SKEW_SINGLE]
+    assert per.diff >= 10 * fair.diff and fcfs.diff >= 10 * fair.diff
+    assert fair.jain >= 0.98 > per.jain and single.jain >= 0.99
+    assert fair.spills > 0 and per.spills == 0
+    # the residual is the start: in the second half fair is closer still
+    assert fair.diff_late <= fair.diff and fair.jain_late >= 0.99
+
+
+def test_single_worker_equivalent_has_the_pools_capacity():
+    eq = single_worker_equivalent(4, TM, "vtc", SMALL)
+    assert eq["num_kv_blocks"] == 4 * 2048
+    assert eq["time_model"].step_time(100, 4, 1000) == pytest.approx(TM.step_time(100, 4, 1000) / 4)

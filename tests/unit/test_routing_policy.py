@@ -1,0 +1,156 @@
+"""Routing policies (gateway/routing_policy.py): least-loaded, prefix (rendezvous hashing with bounded
+loads) and fair (spill by pool slot share and counter lag); the module has no grpc/fastapi imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.routing_policy import (FairRouting, LeastLoaded, PoolBoard, PrefixAffinity, RouteRequest, TenantOnWorker,
+                                    make_routing, rendezvous_rank, route_key)
+from tests.conftest import ROOT
+
+
+@dataclass(eq=False)
+class W:
+    route_id: str
+    load: int = 0
+
+    def load_score(self) -> int:
+        return self.load
+
+
+def req(tenant="a", prompt=(1, 2, 3, 4), cost=100, ns=None, tier="interactive"):
+    return RouteRequest(tenant, ns if ns is not None else tenant + "\x00", list(prompt), cost, tier)
+
+
+def test_importing_the_policies_pulls_in_no_framework():
+    code = ("import sys, gateway.routing_policy; bad = [m for m in ('grpc', 'fastapi', 'redis', 'torch') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_route_key_is_namespace_plus_prompt_head():
+    assert route_key("ns", [1, 2, 3, 4], 2) == route_key("ns", [1, 2, 9, 9], 2)
+    assert route_key("ns", [1, 2, 3], 2) != route_key("other", [1, 2, 3], 2)
+    assert route_key("ns", [1, 2], 8) != route_key("ns", [1, 3], 8)
+    assert route_key("ns", [1], 0) == route_key("ns", [7], 0)  # 0: tenant affinity only
+    with pytest.raises(ValueError):
+        route_key("ns", [1], -1)
+
+
+def test_rendezvous_removing_a_worker_moves_only_its_keys():
+    workers = [f"w{i}" for i in range(8)]
+    keys = [route_key(f"t{k}", [k], 4) for k in range(400)]
+    home = {k: rendezvous_rank(k, workers)[0] for k in keys}
+    assert len(set(home.values())) == 8  # every worker is some key's home
+    fewer = [w for w in workers if w != "w3"]
+    for k in keys:
+        new = rendezvous_rank(k, fewer)[0]
+        assert new == home[k] or home[k] == "w3"
+        if home[k] == "w3":  # its keys go to their second choice
+            assert new == rendezvous_rank(k, workers)[1]
+    more = workers + ["w8"]
+    for k in keys:
+        assert rendezvous_rank(k, more)[0] in (home[k], "w8")
+
+
+def test_least_loaded_breaks_ties_in_turn():
+    ws = [W("a", 5), W("b", 1), W("c", 1)]
+    pol = LeastLoaded()
+    assert {pol.choose(req(), ws).route_id for _ in range(4)} == {"b", "c"}
+    with pytest.raises(ValueError):
+        pol.choose(req(), [])
+
+
+def test_prefix_keeps_a_namespace_on_its_home_until_the_load_bound():
+    ws = [W(f"w{i}") for i in range(4)]
+    pol = PrefixAffinity(prefix_tokens=4, load_factor=1.25, slack_tokens=0)
+    r = req(cost=100)
+    home = pol.ranked(r, ws)[0]
+    assert all(pol.choose(r, ws) is home for _ in range(3))  # empty pool: always its home
+    for w in ws:
+        w.load = 1000
+    home.load = 1500  # 1500 + 100 > bound 1.25 * (4500 + 100) / 4 = 1437.5: its second home
+    second = pol.ranked(r, ws)[1]
+    assert pol.choose(r, ws) is second
+    home.load = 1300
+    for w in ws:
+        if w is not home:
+            w.load = 1100
+    assert pol.choose(r, ws) is home  # 1300 + 100 <= 1.25 * (4600 + 100) / 4 = 1468.75
+    # every ranked worker over the bound: the least-loaded one
+    pol0 = PrefixAffinity(prefix_tokens=4, load_factor=1.0, slack_tokens=0)
+    ws2 = [W("x", 10), W("y", 0)]
+    assert pol0.choose(req(cost=1000), ws2).route_id == "y"
+
+
+def test_prefix_slack_keeps_affinity_in_a_lightly_loaded_pool():
+    ws = [W(f"w{i}") for i in range(4)]
+    r = req(cost=2000)
+    home = PrefixAffinity(slack_tokens=4096).ranked(r, ws)[0]
+    home.load = 2000  # one request already there: without slack the second would move
+    assert PrefixAffinity(slack_tokens=4096).choose(r, ws) is home
+    assert PrefixAffinity(slack_tokens=0).choose(r, ws) is not home
+
+
+def board_of(rows: dict[str, dict[str, tuple]]) -> PoolBoard:
+    """worker -> tenant -> (counter, backlogged, running)."""
+    return PoolBoard({w: {t: TenantOnWorker(c, b, "interactive", n) for t, (c, b, n) in ts.items()}
+                      for w, ts in rows.items()})
+
+
+def test_fair_routes_like_prefix_without_a_board_or_contention():
+    ws = [W(f"w{i}") for i in range(4)]
+    r = req()
+    prefix = PrefixAffinity().choose(r, ws)
+    assert FairRouting(lambda: PoolBoard()).choose(r, ws) is prefix
+    calm = board_of({w.route_id: {"a": (10.0, False, 1), "b": (5000.0, False, 3)} for w in ws})
+    fair = FairRouting(lambda: calm)
+    assert fair.choose(r, ws) is prefix and fair.spills == 0
+
+
+def test_fair_spills_a_tenant_below_its_pool_slot_share():
+    ws = [W(f"w{i}") for i in range(4)]
+    r = req("a")
+    home = PrefixAffinity().choose(r, ws).route_id
+    others = [w.route_id for w in ws if w.route_id != home]
+    # a runs 4 requests at home (crowded with b, c); d alone runs 60 on one other worker
+    rows = {home: {"a": (100.0, True, 4), "b": (100.0, True, 30), "c": (100.0, True, 30)},
+            others[0]: {"d": (100.0, True, 60)}, others[1]: {}, others[2]: {}}
+    fair = FairRouting(lambda: board_of(rows))
+    seen = []
+    fair.on_spill = seen.append
+    assert fair.choose(r, ws).route_id == others[0]  # its local share there is 32 of 64
+    assert fair.spills == 1 and seen == [r]
+    # holding its share, it stays home
+    rows[home]["a"] = (100.0, True, 40)
+    assert fair.choose(r, ws).route_id == home
+
+
+def test_fair_spills_on_a_counter_lag_to_where_it_leads_most():
+    ws = [W(f"w{i}") for i in range(3)]
+    r = req("a")
+    home = PrefixAffinity().choose(r, ws).route_id
+    x, y = [w.route_id for w in ws if w.route_id != home]
+    rows = {home: {"a": (1000.0, True, 2)}, x: {"b": (1500.0, True, 2)}, y: {"c": (5000.0, True, 2)}}
+    fair = FairRouting(lambda: board_of(rows), spill_units=1024)  # same running counts: no slot spill
+    assert fair.choose(r, ws).route_id == y  # leads by 4000 there; 500 at x is under the margin
+    rows[y]["c"] = (1800.0, True, 2)
+    assert fair.choose(r, ws).route_id == home  # no margin above 1024 anywhere
+
+
+def test_make_routing_names_and_errors():
+    assert make_routing("least-loaded").name == "least-loaded"
+    assert make_routing("prefix", spill_units=5, prefix_tokens=8).prefix_tokens == 8
+    assert make_routing("fair", board=lambda: PoolBoard(), spill_units=64).spill_units == 64
+    with pytest.raises(ValueError, match="unknown routing"):
+        make_routing("random")
+    with pytest.raises(ValueError):
+        PrefixAffinity(load_factor=0.5)
+    with pytest.raises(ValueError):
+        FairRouting(spill_units=0)
