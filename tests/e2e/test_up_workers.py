@@ -36,7 +36,10 @@ def finished(addr: str, tenant: str) -> int:
     return next((t.finished for t in load.tenants if t.tenant_id == tenant), 0)
 
 
-def test_two_workers_supervised_apart_and_worker_auth_wired(tmp_path):
+def test_two_workers_supervised_apart_and_worker_auth_wired(tmp_path, monkeypatch):
+    # least-loaded routing takes turns between idle workers, so sequential requests go to both by
+    # construction (the default, fair, keeps a prompt on the worker that has its prefix cached)
+    monkeypatch.setenv("FAIRSHARE_ROUTING", "least-loaded")
     state = tmp_path / "state"
     up = start_up(state, "--restart-window-s", "600", model="random-tiny", timeout_s=300, workers=2)
     info = up.run_info()
