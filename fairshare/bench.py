@@ -7,6 +7,8 @@
     fairshare bench cache [...]     (prefix-cache hit rates by isolation mode; worker/cache/bench.py)
     fairshare bench sidechannel [...]  (CI2 TTFT timing side channel; loadtests/sidechannel.py)
     fairshare bench recovery [...]  (`fairshare up` healing a kill -9; fairshare/recovery_bench.py)
+    fairshare bench chaos [--minutes 10] [...]  (mixed load while Redis, a worker and the gateway are
+                                      killed at random; outcomes and leaks; fairshare/chaos_bench.py)
     fairshare bench grammar [...]   (cost of grammar-constrained decoding; worker/engine/grammar_bench.py)
     fairshare bench scheduler [...]    (the scheduling core's decision time per iteration; worker/sim/sched_bench.py)
     fairshare bench weights [...]      (what a weight means when nobody queues, and its cost; worker/sim/weights_bench.py)
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare bench`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|grammar|scheduler|weights} [options]")
+        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|grammar|chaos|scheduler|weights} [options]")
         return 0 if argv else 2
     what, rest = argv[0], argv[1:]
     if what == "engine":
@@ -305,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         from fairshare.recovery_bench import main as recovery_bench
 
         return recovery_bench(rest)
+    if what == "chaos":
+        from fairshare.chaos_bench import main as chaos_bench
+
+        return chaos_bench(rest)
     if what == "grammar":
         from worker.engine.grammar_bench import main as grammar_bench
 

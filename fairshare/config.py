@@ -12,6 +12,7 @@ Tenants file (YAML, e.g. ``tenants.yaml``)::
           max_inflight_tokens: 32768      # sum of prompt + max_tokens over running requests
           max_concurrent_requests: 16
         models: ["*"]             # model names it may use, or "*" (default: all); alias allowed_models
+        request_timeout_s: 120    # optional: this tenant's deadline per request (default: its tier's)
         default_max_tokens: 512   # optional: output tokens of a chat completion without max_tokens
                                   # (or per model: {SmolLM2-135M-Instruct: 256, "*": 512})
         api_key_digests: []       # optional inline HMAC-SHA256 digests (hex); usually in the keys file
@@ -77,6 +78,8 @@ class TenantConfig(BaseModel):
     tier: Tier = Tier.INTERACTIVE
     limits: TenantLimits = Field(default_factory=TenantLimits)
     allowed_models: list[str] = Field(default_factory=lambda: ["*"], alias="models")
+    # the deadline of each of its requests, seconds (None: its tier's default; gateway/deadlines.py)
+    request_timeout_s: float | None = Field(default=None, gt=0)
     default_max_tokens: int | dict[str, int] | None = None
     api_key_digests: list[str] = Field(default_factory=list)
 
@@ -220,6 +223,22 @@ def load_keys(path: str | os.PathLike) -> KeysFile:
     except FileNotFoundError:
         return KeysFile()
     return KeysFile.model_validate(data)
+
+
+def create_private_file(path: str | os.PathLike, text: str) -> bool:
+    """Create `path` (and its directory) holding `text`, mode 0600, unless it exists; never overwrites
+    (another process creating it meanwhile wins). Returns whether this call created it."""
+    p = Path(path)
+    if p.exists():
+        return False
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
 
 
 def save_keys(path: str | os.PathLike, keys: KeysFile) -> None:

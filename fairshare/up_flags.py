@@ -56,9 +56,15 @@ PASS_THROUGH: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--dtype", (WORKER,)),
     ("--quantization", (WORKER,)),
     ("--metrics-max-tenants", (WORKER,)),
+    # engine faults (worker/faults.py)
+    ("--engine-fault-limit", (WORKER,)),
+    ("--engine-fault-window-s", (WORKER,)),
+    ("--engine-failure-exit-s", (WORKER,)),
     # gateway
     ("--lease-ttl-s", (GATEWAY,)),
     ("--request-timeout-s", (GATEWAY,)),
+    ("--tier-request-timeout-s", (GATEWAY,)),
+    ("--keepalive-interval-s", (GATEWAY,)),
     ("--redis-outage-policy", (GATEWAY,)),
     ("--max-body-bytes", (GATEWAY,)),
     ("--default-max-tokens", (GATEWAY,)),

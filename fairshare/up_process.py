@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from fairshare.procs import free_port
+from fairshare.procs import free_port, port_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 BANNER_DONE = "Ctrl-C stops everything."
@@ -57,13 +57,16 @@ class UpProcess:
     """
 
     def __init__(self, state_dir: Path, *extra: str, model: str = "smollm2", policy: str | None = None,
-                 log_path: Path | None = None, command: list[str] | tuple[str, ...] = DEFAULT_COMMAND):
+                 log_path: Path | None = None, command: list[str] | tuple[str, ...] = DEFAULT_COMMAND,
+                 workers: int = 1):
         self.state_dir, self.extra, self.model_arg, self.policy = Path(state_dir), list(extra), model, policy
         self.log_path, self.command = log_path, list(command)
+        self.workers = workers
         ports: list[int] = []
         while len(ports) < 3:
             p = free_port()
-            if p not in ports:
+            consecutive = [p + i for i in range(workers)] if len(ports) == 1 else [p]  # the workers' block
+            if not any(q in ports or q > 65535 or (q != p and port_in_use("127.0.0.1", q)) for q in consecutive):
                 ports.append(p)
         self.port, self.worker_port, self.redis_port = ports
         self.lines: list[str] = []
@@ -84,8 +87,13 @@ class UpProcess:
 
     @property
     def worker_addr(self) -> str:
-        """The worker's gRPC address ``127.0.0.1:PORT``."""
+        """The (first) worker's gRPC address ``127.0.0.1:PORT``."""
         return f"127.0.0.1:{self.worker_port}"
+
+    @property
+    def worker_addrs(self) -> list[str]:
+        """Every worker's gRPC address (``workers`` consecutive ports)."""
+        return [f"127.0.0.1:{self.worker_port + i}" for i in range(self.workers)]
 
     @property
     def output(self) -> str:
@@ -145,6 +153,8 @@ class UpProcess:
                "--model", self.model_arg, "--state-dir", str(self.state_dir)]
         if self.policy:
             cmd += ["--policy", self.policy]
+        if self.workers != 1:
+            cmd += ["--workers", str(self.workers)]
         cmd += self.extra
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)

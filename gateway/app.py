@@ -57,9 +57,11 @@ from fairshare.v1 import worker_pb2 as pb
 from . import schemas
 from .admission import Admission, Decision, Lease
 from .auth import Principal, TenantDirectory, bearer_key
+from . import keepalive
 from .config import COMPLETIONS_DEFAULT_MAX_TOKENS, GatewaySettings
+from .deadlines import Deadline, request_deadline
 from .errors import (APIError, from_validation_error, install_handlers, invalid_request, model_not_found, retry_headers,
-                     unavailable, upstream_timeout)
+                     unavailable)
 from .logprobs import CompletionLogprobs, TokenTexts, chat_content
 from .metrics import UNKNOWN_TENANT, GatewayMetrics
 from .openapi import openapi_document
@@ -93,6 +95,7 @@ class Gateway:
     tracer: trace.Tracer = field(default_factory=gateway_tracer)
     rates: OutputRates = field(default_factory=OutputRates)  # measured output rate per model (retry hints)
     draining: bool = False  # SIGTERM received: new requests get 503, open ones finish until the deadline
+    signer: Any = None  # fairshare.worker_auth.Signer of every worker call (None: unsigned, --no-worker-auth)
     _drain_task: asyncio.Task | None = None
 
     def begin_drain(self, deadline_s: float) -> None:
@@ -172,7 +175,7 @@ class Session:
 
     def __init__(self, gw: Gateway, principal: Principal, entry: ModelEntry, model: str, jobs: list[Job],
                  lease: Lease, decision: Decision, rid: str, endpoint: str, t0: float,
-                 plan: OutputPlan | None = None) -> None:
+                 plan: OutputPlan | None = None, deadline: Deadline | None = None) -> None:
         self.gw = gw
         self.plan = plan or OutputPlan()
         self.principal = principal
@@ -187,10 +190,13 @@ class Session:
         self.finished = False
         self.client_gone = False
         self.stop_reason: str | None = None  # set by stop(): the server ends the request (drain deadline)
-        timeout = gw.settings.request_timeout_s
-        self.deadline: float | None = None if timeout is None else time.monotonic() + timeout
+        self.deadline_info = deadline or Deadline(None, None)  # whose deadline, when (gateway/deadlines.py)
+        self.deadline: float | None = self.deadline_info.at  # time.monotonic(); the gRPC deadline of each call
         self._watch: RequestWatch | None = None  # the request's one task: disconnect watch, then settlement
         self._starting: asyncio.Task | None = None  # the handler, while it waits for the first tokens
+        # a stream's start, in a task of its own once it outlasts the keep-alive grace (its body then
+        # sends keep-alive comments until the first token; gateway/keepalive.py)
+        self.start_task: asyncio.Future | None = None
         self.first_token_at: float | None = None
         self.trace_ctx = otel_context.get_current()  # the request span's context: parent of worker calls
         self.stream_span: trace.Span = trace.INVALID_SPAN  # first token -> settlement
@@ -253,13 +259,14 @@ class Session:
         then settles it (gateway/watch.py). Call once, after admission."""
         self._watch = RequestWatch(request.receive, self.on_client_gone, self._do_settle)
 
-    async def until_started(self, coro) -> None:
-        """Await `coro` (the wait for the first tokens, in the caller's task); a disconnect or `stop()`
-        meanwhile interrupts it (cancelling the gRPC calls it has open): APIError 499 or 503."""
+    async def until_started(self, coro):
+        """Await `coro` (the wait for the first tokens, in the caller's task) and return its result; a
+        disconnect or `stop()` meanwhile interrupts it (cancelling the gRPC calls it has open, and a
+        stream's start task): APIError 499 or 503."""
         task = asyncio.current_task()
         self._starting = task
         try:
-            await coro
+            return await coro
         except asyncio.CancelledError:
             if not (self.client_gone or self.stop_reason is not None):
                 raise  # cancelled from elsewhere
@@ -279,6 +286,8 @@ class Session:
                 j.gen.cancel()
         if self._starting is not None:
             self._starting.cancel()
+        if self.start_task is not None:
+            self.start_task.cancel()
 
     def on_client_gone(self) -> None:
         """The client disconnected: cancel every gRPC stream (the workers abort)."""
@@ -455,9 +464,11 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
 
     tracer_provider: where spans go (tests pass one with an in-memory exporter); default: a provider
     built from ``settings.otel_exporter`` (none: the global provider, a no-op unless configured).
-    Raises RuntimeError when no server secret is configured, ValueError for an unknown exporter.
+    Raises RuntimeError when no server secret (or no worker-auth key, unless ``worker_auth`` is off) is
+    configured, ValueError for an unknown exporter.
     """
     secret = settings.secret_bytes()
+    signer = settings.worker_signer()  # RuntimeError without worker-auth keys (unless worker_auth is off)
     if directory is None:
         directory = TenantDirectory(secret, settings.tenants_file, settings.resolved_keys_file())
     metrics = GatewayMetrics()
@@ -496,7 +507,8 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
         runtime = PoolRuntime(settings, redis, control, metrics, local_tok)  # workers, routing, replicas
         await runtime.start()
         pool = runtime.pool
-        app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer, rates=rates)
+        app.state.gw = Gateway(settings, directory, redis, admission, control, pool, metrics, tracer=tracer, rates=rates,
+                               signer=signer)
         try:
             yield
         finally:
@@ -675,6 +687,7 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     except ValidationError as e:
         raise from_validation_error(list(e.errors())) from None
     req.refuse_unsupported()
+    deadline = request_deadline(gw.settings, tenant, request.headers, bool(req.stream))  # 400 for a bad header
     n = req.choices_n()
     if n > gw.settings.max_n:
         raise invalid_request(f"Invalid value for 'n': at most {gw.settings.max_n} choices per request.", "n",
@@ -787,27 +800,43 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
             seed = None if req.seed is None else (req.seed + i + 2**63) % 2**64 - 2**63  # stays an int64
             jobs.append(Job(index=g * n + i, group=g, prompt_ids=p, max_tokens=max_tokens, seed=seed))
     session = Session(gw, principal, entry, model, jobs, lease, decision, rid, "chat" if kind == "chat" else "text", t0,
-                      plan)
+                      plan, deadline=deadline)
     lease.remaining_s = lambda: gw.rates.remaining_s(model, jobs)  # refreshed in Redis at each renewal
     gw.live.add(session)
     session.watch(request)
 
-    try:  # until the first token (which may wait in the worker's queue), still watching the client
-        with gw.tracer.start_as_current_span("gateway.routing", record_exception=False,
-                                             set_status_on_exception=False,
-                                             attributes={"fairshare.model": model,
-                                                         "fairshare.choices": len(jobs)}) as route_span:
+    # until the first token (which may wait in the worker's queue), still watching the client: the
+    # request's watch interrupts the wait (499; 503 on stop). A non-streamed request waits in this task.
+    # A stream waits here at most the keep-alive grace: its start runs in a task of its own, so that the
+    # response can begin and keep the connection alive while it runs on (gateway/keepalive.py); errors
+    # within the grace still get their own status. The routing span ends with the start.
+    route_span = gw.tracer.start_span("gateway.routing", attributes={"fairshare.model": model,
+                                                                     "fairshare.choices": len(jobs)})
+    try:
+        if req.stream:
+            token = otel_context.attach(trace.set_span_in_context(route_span))  # current in the start task
             try:
-                await session.until_started(_start_all(gw, session, req))
-            except APIError as e:
-                set_error(route_span, e.code)
-                if e.code == "invalid_grammar":  # the worker could not compile it: name the field
-                    e.param, e.code = plan.grammar_param, "invalid_value"
-                raise
+                start = session.start_task = asyncio.ensure_future(_start_all(gw, session, req))
+            finally:
+                otel_context.detach(token)
+            start.add_done_callback(lambda task: _end_routing_span(route_span, task))
+            if not await session.until_started(keepalive.started_within(start, gw.settings.keepalive_interval_s)):
+                if route_span.is_recording():
+                    route_span.set_attribute("fairshare.keepalive", True)
+        else:
+            try:
+                with trace.use_span(route_span, end_on_exit=False, record_exception=False,
+                                    set_status_on_exception=False):
+                    await session.until_started(_start_all(gw, session, req))
             except BaseException as e:
-                set_error(route_span, "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
+                set_error(route_span, e.code if isinstance(e, APIError) else
+                          "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
                 raise
+            finally:
+                route_span.end()
     except BaseException:
+        if session.start_task is not None:
+            await cancel_and_wait(session.start_task)
         await session.settle()
         raise
     session.stream_span = gw.tracer.start_span("gateway.streaming", context=session.trace_ctx,
@@ -820,6 +849,16 @@ async def _admit_and_start(gw: Gateway, request: Request, kind: str, principal: 
     finally:
         await session.settle()
     return session, body
+
+
+def _end_routing_span(span: trace.Span, task: asyncio.Future) -> None:
+    """End the ``gateway.routing`` span when its start task ends (error type when it failed)."""
+    if task.cancelled():
+        set_error(span, "cancelled")
+    elif task.exception() is not None:
+        e = task.exception()
+        set_error(span, e.code if isinstance(e, APIError) else type(e).__name__)
+    span.end()
 
 
 _INLINE_TOKENIZE_BYTES = 16 * 1024
@@ -889,10 +928,17 @@ async def _start_all(gw: Gateway, session: Session, req) -> None:
     attempts = gw.settings.max_retries + 1
 
     async def start(job: Job) -> None:
-        job.gen = await start_generation(gw.pool, session.model, _generate_request(session, job, req),
-                                         len(job.prompt_ids) + job.max_tokens, max_attempts=attempts,
-                                         metrics=gw.metrics, tracer=gw.tracer, parent=session.trace_ctx,
-                                         deadline=session.deadline)
+        try:
+            job.gen = await start_generation(gw.pool, session.model, _generate_request(session, job, req),
+                                             len(job.prompt_ids) + job.max_tokens, max_attempts=attempts,
+                                             metrics=gw.metrics, tracer=gw.tracer, parent=session.trace_ctx,
+                                             deadline=session.deadline, signer=gw.signer)
+        except APIError as e:
+            if e.status == 504 and e.code == "timeout":  # the deadline passed while it was queued
+                raise session.deadline_info.error(started=False) from None
+            if e.code == "invalid_grammar":  # the worker could not compile it: name the field
+                e.param, e.code = session.plan.grammar_param, "invalid_value"
+            raise
 
     if len(session.jobs) == 1:
         await start(session.jobs[0])
@@ -965,19 +1011,23 @@ def _stream_failure(session: Session, err: BaseException) -> APIError:
                         e.code().name, e.details())
             if e.code() in _WORKER_LOST:
                 session.gw.pool.mark_failed(j.gen.worker, f"{e.code().name} during generation")
+    retry_s = session.gw.pool.retry_after_s(session.model)  # another worker may take it (retry hints)
     if isinstance(err, grpc.aio.AioRpcError):
         if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return upstream_timeout(f"The request did not finish within {session.gw.settings.request_timeout_s:g} s.")
-        return unavailable(f"The worker failed during generation ({err.code().name}); please retry.")
-    return unavailable(f"The worker failed during generation ({type(err).__name__}); please retry.")
+            return session.deadline_info.error(started=True)
+        return unavailable(f"The worker failed during generation ({err.code().name}); please retry.",
+                           retry_after_s=retry_s)
+    return unavailable(f"The worker failed during generation ({type(err).__name__}); please retry.",
+                       retry_after_s=retry_s)
 
 
 def _check_finished(session: Session) -> None:
+    retry_s = session.gw.pool.retry_after_s(session.model)
     for j in session.jobs:
         if j.finish_reason is None:
-            raise unavailable("The worker ended the stream without finishing the request.")
+            raise unavailable("The worker ended the stream without finishing the request.", retry_after_s=retry_s)
         if j.finish_reason == "abort":
-            raise unavailable("The worker aborted the request.")
+            raise unavailable("The worker aborted the request.", retry_after_s=retry_s)
 
 
 async def _collect(session: Session, kind: str) -> dict[str, Any]:
@@ -1103,9 +1153,24 @@ def _text_stream(session: Session, req: schemas.CompletionRequest) -> AsyncItera
 
 
 async def _stream(session: Session, opening: list[bytes], body, usage_event) -> AsyncIterator[bytes]:
-    """The SSE body: opening chunks, content chunks, (usage chunk), ``[DONE]``; settles in every case.
-    `body(job, msg)` gives the chunks of one worker message (all its tokens), written at once."""
+    """The SSE body: keep-alive comments until the first token (when the response began before it),
+    opening chunks, content chunks, (usage chunk), ``[DONE]``; settles in every case. `body(job, msg)`
+    gives the chunks of one worker message (all its tokens), written at once."""
     try:
+        start = session.start_task
+        if start is not None and not start.done():  # answered before the first token: keep the line alive
+            async for b in keepalive.comments(start, session.gw.settings.keepalive_interval_s):
+                yield b
+        if start is not None:
+            try:
+                start.result()
+            except APIError as e:
+                yield event(e.body())
+                return
+            except asyncio.CancelledError:
+                if session.stop_reason is not None and not session.client_gone:
+                    yield event(unavailable(session.stop_reason, retry_after_s=1).body())
+                return
         if opening:
             yield b"".join(opening)
         try:

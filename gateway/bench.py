@@ -45,6 +45,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fairshare import worker_auth
 from fairshare.procs import free_port, start_redis, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
@@ -328,6 +329,8 @@ def _run(args, modes: list[str], gw_cpus: set[int] | None) -> dict[str, dict] | 
         gport = free_port()
         # the echo worker shares its CPU with the load generator: a late health answer is load, not an outage
         env = dict(os.environ, FAIRSHARE_SECRET=secret, FAIRSHARE_HEALTH_TIMEOUT_S="10")
+        if not (env.get(worker_auth.KEYS_ENV) or env.get(worker_auth.KEYS_FILE_ENV)):  # it signs as in production
+            env[worker_auth.KEYS_ENV] = worker_auth.new_key_text("bench").strip()
         pin = None if gw_cpus is None else (lambda: os.sched_setaffinity(0, gw_cpus))
         gw = subprocess.Popen([sys.executable, "-m", "fairshare.cli", "gateway", "--host", "127.0.0.1", "--port",
                                str(gport), "--tenants", str(tenants), "--workers", echo.addr, "--redis-url", redis_url,

@@ -27,6 +27,8 @@ Gateway
                                                         # buckets divide by (replicas register in Redis)
                       [--replica-ttl-s 10]
                       [--redis-timeout-s 2] [--drain-timeout-s 10] [--request-timeout-s S]
+                      [--tier-request-timeout-s interactive=600,batch=none] [--keepalive-interval-s 15]
+                      [--worker-keys-file FILE] [--worker-token-ttl-s 60] [--no-worker-auth]
                       [--max-body-bytes 8388608]
                       [--metrics-port 0] [--metrics-host 127.0.0.1]  # /metrics on an admin listener
                       [--metrics-token-file FILE] [--public-metrics]
@@ -46,9 +48,12 @@ Every flag has an environment variable read with pydantic-settings (flags win ov
 ``FAIRSHARE_ROUTE_SPILL_UNITS``, ``FAIRSHARE_REDIS_TIMEOUT_S``,
 ``FAIRSHARE_DRAIN_TIMEOUT_S``, ``FAIRSHARE_REQUEST_TIMEOUT_S``, ``FAIRSHARE_MAX_BODY_BYTES``,
 ``FAIRSHARE_METRICS_PORT``, ``FAIRSHARE_METRICS_HOST``, ``FAIRSHARE_METRICS_TOKEN`` (the token itself),
-``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS`` (see docs/reliability.md),
-``FAIRSHARE_DEFAULT_MAX_TOKENS``, ``FAIRSHARE_TOOL_CALL_PARSER`` (docs/api.md). The gateway refuses to
-start without a secret.
+``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS``, ``FAIRSHARE_TIER_REQUEST_TIMEOUT_S``,
+``FAIRSHARE_KEEPALIVE_INTERVAL_S``, ``FAIRSHARE_WORKER_KEYS`` (the keys themselves),
+``FAIRSHARE_WORKER_KEYS_FILE``, ``FAIRSHARE_WORKER_AUTH``, ``FAIRSHARE_WORKER_TOKEN_TTL_S`` (see
+docs/reliability.md), ``FAIRSHARE_DEFAULT_MAX_TOKENS``, ``FAIRSHARE_TOOL_CALL_PARSER`` (docs/api.md).
+The gateway refuses to start without a secret, and without worker-auth keys unless
+``--no-worker-auth``.
 
 ``/metrics`` (every tenant's figures) is not served to API clients on the public port: operators
 scrape the admin listener (``--metrics-port``), or the public port with the metrics token
@@ -71,6 +76,7 @@ Keys
     fairshare keys import --tenant ID [--tenants FILE] [--secret-file FILE] [--keys-file FILE] < key.txt
     fairshare keys list   [--tenants FILE] [--keys-file FILE]
     fairshare keys revoke --key-id KID [--tenants FILE] [--keys-file FILE]
+    fairshare keys worker --file FILE [--add | --promote KID | --remove KID]
 
 ``keys create`` prints the new key (``sk-fs-...``) once on stdout (one line, nothing else) and stores
 only its HMAC-SHA256 digest under the server secret in the **keys file** (default
@@ -83,6 +89,12 @@ file that does not exist yet, ``keys create`` creates it (random 32 bytes, hex, 
 input (a prompt without echo on a terminal; never a command-line argument, which other users can
 see in the process list), checks it looks like a key (one line, 16-1024 printable characters) and
 stores only its digest, like ``create``. A key already stored is refused.
+
+``keys worker`` manages the worker-auth keys file (not API keys: the key ring the gateways sign every
+worker call with and the workers verify, fairshare/worker_auth.py): it creates the file with one key
+when missing, and does one step of a rotation without downtime: ``--add`` (a new key, accepted
+everywhere once the file has reached every host), ``--promote KID`` (the gateways sign with it),
+``--remove KID`` (a minute later: its tokens have expired).
 
 Without ``--tenants`` (and ``FAIRSHARE_TENANTS_FILE``) the commands use the state directory of
 ``fairshare up`` (``$FAIRSHARE_STATE_DIR``, ``./var`` in a source checkout, else
@@ -106,7 +118,9 @@ def _settings_from_args(args: argparse.Namespace):
     for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "redis_cluster", "secret_file", "tokenizer",
                  "lease_ttl_s", "log_level", "otel_exporter", "redis_outage_policy", "gateway_replicas",
                  "redis_timeout_s", "drain_timeout_s", "request_timeout_s", "max_body_bytes", "metrics_port",
-                 "metrics_host", "metrics_token_file", "public_metrics", "default_max_tokens", "tool_call_parser",
+                 "metrics_host", "metrics_token_file", "public_metrics", "tier_request_timeout_s",
+                 "keepalive_interval_s", "worker_keys_file", "worker_auth", "worker_token_ttl_s",
+                 "default_max_tokens", "tool_call_parser",
                  "discovery_interval_s", "unhealthy_after", "routing", "route_prefix_tokens", "route_load_factor",
                  "route_slack_tokens", "route_spill_units", "replica_ttl_s"):
         v = getattr(args, name, None)
@@ -169,6 +183,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, open requests may finish for this long (default 10 s)")
     p.add_argument("--request-timeout-s", dest="request_timeout_s", type=float,
                    help="deadline of one generation in seconds: 504 / error event after it (default: none)")
+    p.add_argument("--tier-request-timeout-s", dest="tier_request_timeout_s",
+                   help="default deadline per tier, merged over interactive=600,batch=none,background=none "
+                        "(JSON or tier=seconds|none,...); --request-timeout-s replaces it for every tier")
+    p.add_argument("--keepalive-interval-s", dest="keepalive_interval_s", type=float,
+                   help="streams: SSE keep-alive comment this often while the first token is pending; the "
+                        "response headers go out at the latest this long after admission (default 15)")
+    p.add_argument("--worker-keys-file", dest="worker_keys_file",
+                   help="keys that sign every Generate/Abort (KID:SECRET lines, the first signs; re-read when "
+                        "it changes); or FAIRSHARE_WORKER_KEYS")
+    p.add_argument("--no-worker-auth", dest="worker_auth", action="store_false", default=None,
+                   help="send unsigned worker calls (only to workers started with --no-worker-auth; unsafe)")
+    p.add_argument("--worker-token-ttl-s", dest="worker_token_ttl_s", type=float,
+                   help="validity of each call's token in seconds (default 60)")
     p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int,
                    help="larger request bodies get 413 (default 8 MiB)")
     p.add_argument("--metrics-port", dest="metrics_port", type=int,
@@ -263,7 +290,27 @@ def build_keys_parser() -> argparse.ArgumentParser:
                            "(or set FAIRSHARE_SECRET; default: the secret next to the tenants file)")
         if name == "revoke":
             s.add_argument("--key-id", dest="key_id", required=True)
+    w = sub.add_parser("worker", help="the worker-auth keys file: create it, or one rotation step "
+                                      "(fairshare/worker_auth.py)")
+    w.add_argument("--file", required=True, help="the keys file the gateways and the workers read (created with "
+                                                 "one key when missing)")
+    step = w.add_mutually_exclusive_group()
+    step.add_argument("--add", action="store_true", help="rotation step 1: append a fresh key (accepted, not signing)")
+    step.add_argument("--promote", metavar="KID", help="rotation step 2: make KID the signing key")
+    step.add_argument("--remove", metavar="KID", help="rotation step 3: stop accepting KID")
     return p
+
+
+def _worker_keys(args) -> int:
+    from fairshare import worker_auth
+
+    try:
+        keys = worker_auth.edit_keys_file(args.file, add=args.add, promote=args.promote, remove=args.remove)
+    except worker_auth.KeysError as e:
+        print(f"fairshare keys worker: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.file}: signing key {keys.ids[0]}; accepted: {', '.join(keys.ids)}", file=sys.stderr)
+    return 0
 
 
 def _has_secret(settings) -> bool:
@@ -283,13 +330,15 @@ MAX_STDIN_KEY_BYTES = 4096
 
 
 def keys_main(argv: list[str] | None = None) -> int:
-    """`fairshare keys create|list|revoke`; returns the exit code."""
+    """`fairshare keys create|import|list|revoke|worker`; returns the exit code."""
     from fairshare.config import default_state_dir, load_keys, load_tenants
 
     from .auth import check_imported_key, create_key, revoke_key, store_key
     from .config import GatewaySettings, ensure_secret_file
 
     args = build_keys_parser().parse_args(argv)
+    if args.cmd == "worker":
+        return _worker_keys(args)
     overrides = {k: v for k, v in (("tenants_file", args.tenants_file), ("keys_file", args.keys_file),
                                    ("secret_file", getattr(args, "secret_file", None))) if v is not None}
     settings = GatewaySettings(**overrides)

@@ -13,9 +13,10 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from fairshare.config import Tier, default_keys_path
+from fairshare.config import Tier, create_private_file, default_keys_path
 
 OutagePolicy = Literal["fail_closed", "degrade"]
+DEFAULT_TIER_TIMEOUTS_S: dict[Tier, float | None] = {Tier.INTERACTIVE: 600.0, Tier.BATCH: None, Tier.BACKGROUND: None}
 # output tokens of a chat completion sent without max_tokens, when no default is declared for it
 CHAT_DEFAULT_MAX_TOKENS = 1024
 # output tokens of a text completion sent without max_tokens (OpenAI's documented default)
@@ -106,7 +107,25 @@ class GatewaySettings(BaseSettings):
     redis_timeout_s: float = Field(default=2.0, gt=0)  # socket timeout of every Redis call
     redis_probe_interval_s: float = Field(default=0.5, gt=0)  # while Redis is down: PING this often
     drain_timeout_s: float = Field(default=10.0, ge=0)  # SIGTERM: open requests may finish this long
-    request_timeout_s: float | None = Field(default=None, gt=0)  # deadline of one generation (None: none)
+    # Deadlines (gateway/deadlines.py): a request's deadline is its tenant's request_timeout_s (tenants
+    # file), else request_timeout_s when set (one deadline for every tier), else its tier's entry of
+    # tier_request_timeout_s (default: interactive 600 s; batch and background none). A client may
+    # shorten it (x-request-timeout header; the SDK's timeout for non-streamed requests). Env: JSON
+    # '{"interactive": 600, "batch": null}', "interactive=600,batch=none" (merged over the defaults).
+    request_timeout_s: float | None = Field(default=None, gt=0)
+    tier_request_timeout_s: Annotated[dict[Tier, float | None], NoDecode] = Field(
+        default_factory=lambda: dict(DEFAULT_TIER_TIMEOUTS_S))
+    # Streams: once admitted, the response starts within keepalive_interval_s; while the first token is
+    # pending, an SSE comment ": keep-alive" goes out every keepalive_interval_s (gateway/keepalive.py).
+    keepalive_interval_s: float = Field(default=15.0, gt=0)
+    # Worker authentication (fairshare/worker_auth.py): every Generate/Abort is signed with the first
+    # key of worker_keys ("kid:secret,...") or worker_keys_file (re-read when it changes); tokens are
+    # valid for worker_token_ttl_s. worker_auth=False sends unsigned calls (only to workers started
+    # with --no-worker-auth; unsafe).
+    worker_keys: SecretStr | None = None
+    worker_keys_file: Path | None = None
+    worker_auth: bool = True
+    worker_token_ttl_s: float = Field(default=60.0, gt=0, le=600)
     # /metrics: served on an admin listener (metrics_port > 0, on metrics_host), or on the public port
     # to holders of metrics_token; public_metrics=True serves it to anyone on the public port (every
     # tenant's figures: only for a public port that tenants cannot reach).
@@ -137,6 +156,49 @@ class GatewaySettings(BaseSettings):
             return out
         return v
 
+    @field_validator("tier_request_timeout_s", mode="before")
+    @classmethod
+    def _parse_tier_timeouts(cls, v):
+        if isinstance(v, str):
+            text = v.strip()
+            if text.startswith("{"):
+                import json
+
+                v = json.loads(text)
+            else:
+                v = {}
+                for part in text.split(","):
+                    if part.strip():
+                        k, _, val = part.replace(":", "=").partition("=")
+                        v[k.strip()] = val.strip()
+        if isinstance(v, dict):
+            out = {t.value: d for t, d in DEFAULT_TIER_TIMEOUTS_S.items()}
+            for k, val in v.items():
+                if isinstance(val, str) and val.strip().lower() in ("", "none", "null", "0"):
+                    val = None
+                if val is not None and not float(val) > 0:
+                    raise ValueError(f"tier_request_timeout_s: {k}={val} is not > 0 (none: no deadline)")
+                out[Tier(k).value] = None if val is None else float(val)
+            return out
+        return v
+
+    def worker_signer(self):
+        """The `fairshare.worker_auth.Signer` of the worker keys, or None when ``worker_auth`` is off.
+        Raises RuntimeError when authentication is on and no keys are configured or readable."""
+        from fairshare import worker_auth
+
+        if not self.worker_auth:
+            return None
+        value = self.worker_keys.get_secret_value() if self.worker_keys is not None else None
+        try:
+            source = worker_auth.KeySource.from_settings(value=value, path=self.worker_keys_file, environ={})
+        except worker_auth.KeysError as e:
+            raise RuntimeError(str(e)) from None
+        if source is None:
+            raise RuntimeError("no worker-auth keys: set FAIRSHARE_WORKER_KEYS_FILE (--worker-keys-file) or "
+                               "FAIRSHARE_WORKER_KEYS, the keys the workers verify with (docs/reliability.md); "
+                               "--no-worker-auth sends unsigned calls (unsafe)")
+        return worker_auth.Signer(source, ttl_s=self.worker_token_ttl_s)
     @field_validator("default_max_tokens", mode="before")
     @classmethod
     def _parse_default_max_tokens(cls, v):
@@ -238,15 +300,7 @@ class GatewaySettings(BaseSettings):
 def ensure_secret_file(path: str | os.PathLike) -> bytes:
     """Return the secret stored in `path`, creating it (32 random bytes as hex, mode 0600) if absent."""
     p = Path(path)
-    if not p.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process created it meanwhile
-            pass
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
+    create_private_file(p, secrets.token_hex(32) + "\n")
     data = p.read_text(encoding="utf-8").strip()
     if not data:
         raise RuntimeError(f"secret file {p} is empty")

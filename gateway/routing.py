@@ -41,6 +41,7 @@ from opentelemetry.trace import SpanKind
 
 from fairshare.aio import cancel_and_wait
 from fairshare.telemetry import inject_metadata
+from fairshare.worker_auth import generate_claims
 from fairshare.wire import INVALID_METADATA_KEY
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
@@ -552,7 +553,7 @@ def _is_progress(msg: pb.GenerateResponse) -> bool:
 
 async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateRequest, cost: int, *,
                            max_attempts: int = 3, metrics=None, tracer: trace.Tracer | None = None,
-                           parent=None, deadline: float | None = None) -> Generation:
+                           parent=None, deadline: float | None = None, signer=None) -> Generation:
     """Start `request` on the worker of `model` the pool's routing policy picks, retrying on another worker when one fails
     before its first token.
 
@@ -561,6 +562,8 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
     gets the attempt count and the chosen worker.
     deadline: ``time.monotonic()`` by which the whole generation must end (the gRPC deadline of each
     attempt; None: none).
+    signer: a `fairshare.worker_auth.Signer`; each attempt carries its token (bound to the attempt's
+    request id) in the call's metadata (None: unsigned).
     Raises APIError: 400 when the worker rejects the request as invalid (code ``invalid_grammar`` for a
     grammar it cannot compile), 503 when no worker could run
     it, 504 when the deadline passed. Cancellation (asyncio) cancels the call in progress.
@@ -586,6 +589,8 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
         if routing.is_recording():
             routing.set_attribute("fairshare.attempts", attempt + 1)
         metadata = inject_metadata(trace.set_span_in_context(span))
+        if signer is not None:
+            metadata = [*(metadata or ()), *signer.metadata(generate_claims(req))]
         timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
         call = w.stub.Generate(req, metadata=metadata or None, timeout=timeout)
         gen = Generation(w, call, req.request_id, cost, [], span)

@@ -11,7 +11,9 @@ Why one task: a request used to spawn a watcher task, a server-stop waiter and a
 (and, around the wait for the first token and the non-streamed body, a task for the work itself);
 at hundreds of requests per second that task churn was a tenth of the gateway's CPU
 (issue #23's profile). Here the handler does the work in its own task and this one task does the
-rest.
+rest. The one exception is a stream's wait for its first token: it runs in a task of its own, so
+that the response can begin after the keep-alive grace and send keep-alive comments while the wait
+goes on (gateway/keepalive.py); `on_gone` cancels that task too.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ are statistical (AUC), not wall-clock.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import subprocess
 import sys
@@ -80,15 +81,31 @@ def _request(tenant: str, prompt: list[int], salt: str = ""):
     )
 
 
-def timed_generate(stub, req, timeout_s: float = 60.0) -> tuple[float, int, float]:
-    """Send one request; return (TTFT seconds as the client sees it, cached prompt tokens the
-    worker reported, TTFT seconds the worker reported in `timings.first_token_s`). Raises
-    RuntimeError when no token came back."""
+def worker_signer():
+    """Signs the probes as the gateway would (fairshare/worker_auth.py): the keys of
+    ``$FAIRSHARE_WORKER_KEYS_FILE`` / ``$FAIRSHARE_WORKER_KEYS``; when neither is set, a fresh key is put
+    in ``$FAIRSHARE_WORKER_KEYS`` first, so the workers this benchmark starts inherit it."""
+    from fairshare import worker_auth
+
+    source = worker_auth.KeySource.from_settings()
+    if source is None:
+        os.environ[worker_auth.KEYS_ENV] = worker_auth.new_key_text("sidechannel").strip()
+        source = worker_auth.KeySource.from_settings()
+    return worker_auth.Signer(source)
+
+
+def timed_generate(stub, req, timeout_s: float = 60.0, signer=None) -> tuple[float, int, float]:
+    """Send one request (signed by `signer`, default `worker_signer()`); return (TTFT seconds as the
+    client sees it, cached prompt tokens the worker reported, TTFT seconds the worker reported in
+    `timings.first_token_s`). Raises RuntimeError when no token came back."""
+    from fairshare.worker_auth import generate_claims
+
+    metadata = (signer or worker_signer()).metadata(generate_claims(req))
     start = time.perf_counter()
     ttft = None
     cached = 0
     worker_ttft = 0.0
-    for msg in stub.Generate(req, timeout=timeout_s):
+    for msg in stub.Generate(req, timeout=timeout_s, metadata=metadata):
         if ttft is None and msg.token_ids:
             ttft = time.perf_counter() - start
             worker_ttft = msg.timings.first_token_s
@@ -116,20 +133,22 @@ def probe_worker(addr: str, label: str, cfg: ProbeConfig = ProbeConfig(), victim
     control: list[float] = []
     worker_side: dict[str, list[float]] = {"shared": [], "control": []}
     cached = {"shared": 0, "control": 0}
+    signer = worker_signer()
     with grpc.insecure_channel(addr) as channel, ThreadPoolExecutor(8) as pool:
         stub = pb_grpc.WorkerStub(channel)
         for _ in range(cfg.warmup):
-            timed_generate(stub, _request(attacker, fresh(length), uuid.uuid4().hex))
+            timed_generate(stub, _request(attacker, fresh(length), uuid.uuid4().hex), signer=signer)
         done = 0
         while done < cfg.pairs:
             n = min(cfg.batch, cfg.pairs - done)
             prefixes = [fresh(cfg.prefix_tokens) for _ in range(n)]
-            list(pool.map(lambda p: timed_generate(stub, _request(victim, p + fresh(cfg.suffix_tokens))), prefixes))
+            list(pool.map(lambda p: timed_generate(stub, _request(victim, p + fresh(cfg.suffix_tokens)), signer=signer),
+                          prefixes))
             probes = [("shared", p + fresh(cfg.suffix_tokens)) for p in prefixes]
             probes += [("control", fresh(length)) for _ in range(n)]
             rng.shuffle(probes)
             for kind, prompt in probes:
-                ttft, hit, at_worker = timed_generate(stub, _request(attacker, prompt, uuid.uuid4().hex))
+                ttft, hit, at_worker = timed_generate(stub, _request(attacker, prompt, uuid.uuid4().hex), signer=signer)
                 (shared if kind == "shared" else control).append(ttft)
                 worker_side[kind].append(at_worker)
                 cached[kind] += hit
@@ -144,6 +163,7 @@ def start_worker(flags: list[str], threads: int | None = None, log_path: Path | 
     (process, "127.0.0.1:port") once it listens. Raises RuntimeError / TimeoutError if it does not."""
     from fairshare.procs import free_port, wait_for_port
 
+    worker_signer()  # (a key in the environment the worker inherits)
     port = free_port()
     cmd = [sys.executable, "-m", "fairshare.cli", "worker", "--host", "127.0.0.1", "--port", str(port),
            "--model", "random-tiny", *(["--threads", str(threads)] if threads else []), *flags]

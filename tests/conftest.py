@@ -20,6 +20,12 @@ from tests.support.skips import in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Worker authentication (fairshare/worker_auth.py): every worker and gateway the tests start, in
+# process or as a subprocess, verifies and signs with this key; raw gRPC clients sign with
+# tests/support/auth.py.
+TEST_WORKER_KEYS = "test-key:" + "5e" * 24
+os.environ.setdefault("FAIRSHARE_WORKER_KEYS", TEST_WORKER_KEYS)
+
 try:  # (the SGLang test environment has no Hypothesis)
     from hypothesis import HealthCheck, settings
 

@@ -108,8 +108,52 @@ def build_parser() -> argparse.ArgumentParser:
     add_tier_arguments(p)
     add_kv_quota_arguments(p)
     add_cache_arguments(p)
+    add_reliability_arguments(p)
     add_pool_arguments(p)
     return p
+
+
+def add_reliability_arguments(p: argparse.ArgumentParser) -> None:
+    """Worker authentication and engine-fault flags (docs/reliability.md); shared with `--engine sglang`."""
+    from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S
+
+    g = p.add_argument_group("reliability", "worker authentication and engine faults (docs/reliability.md)")
+    g.add_argument("--worker-keys-file", default=None, metavar="PATH",
+                   help="keys that verify the gateway's call tokens (KID:SECRET lines, the gateway's file; re-read "
+                        "when it changes); default $FAIRSHARE_WORKER_KEYS_FILE or $FAIRSHARE_WORKER_KEYS")
+    g.add_argument("--no-worker-auth", action="store_true",
+                   help="UNSAFE: accept unsigned Generate/Abort calls (anyone who reaches the port poses as the "
+                        "gateway); for experiments on a private machine only")
+    g.add_argument("--engine-fault-limit", type=_positive(int), default=DEFAULT_FAULT_LIMIT,
+                   help=f"engine faults in a row that fail the worker (default {DEFAULT_FAULT_LIMIT})")
+    g.add_argument("--engine-fault-window-s", type=_positive(float), default=DEFAULT_FAULT_WINDOW_S,
+                   help=f"... within this many seconds (default {DEFAULT_FAULT_WINDOW_S:g})")
+    g.add_argument("--engine-failure-exit-s", type=float, default=10.0,
+                   help="once failed (health NOT_SERVING), exit with status 3 after this many seconds so the "
+                        "supervisor restarts the worker (default 10; 0: stay up, NOT_SERVING)")
+
+
+def make_verifier(args: argparse.Namespace):
+    """The `Verifier` for the parsed flags (None with --no-worker-auth). Raises SystemExit(1) with one
+    line when no keys are configured or they cannot be read."""
+    from fairshare import worker_auth
+
+    if args.no_worker_auth:
+        logging.getLogger("fairshare.worker").warning(
+            "--no-worker-auth: Generate/Abort calls are NOT authenticated; anyone who reaches this port can "
+            "pose as the gateway (any tenant, weight and tier)")
+        return None
+    try:
+        source = worker_auth.KeySource.from_settings(path=args.worker_keys_file)
+    except worker_auth.KeysError as exc:
+        print(f"fairshare worker: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
+    if source is None:
+        print("fairshare worker: no worker-auth keys: pass --worker-keys-file (the gateway's keys file) or set "
+              "FAIRSHARE_WORKER_KEYS / FAIRSHARE_WORKER_KEYS_FILE (docs/reliability.md); --no-worker-auth "
+              "turns authentication off (unsafe)", file=sys.stderr)
+        raise SystemExit(1)
+    return worker_auth.Verifier(source)
 
 
 # ---- tier flags (docs/fairness.md, "Tiers"; EngineConfig.tier_*) ------------------------------------
@@ -358,6 +402,10 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
     if port_in_use(args.host, args.port):
         print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
         return 1
+    try:
+        verifier = make_verifier(args)
+    except SystemExit as exc:
+        return int(exc.code or 1)
     import torch
 
     from worker.engine.engine import Engine, EngineConfig
@@ -376,6 +424,7 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
                           max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                           quantization=args.quantization, **kv_quota, **tiers,
+                          fault_limit=args.engine_fault_limit, fault_window_s=args.engine_fault_window_s,
                           **cache_settings(parser, args, model.tokenizer, model.config.vocab_size))
     try:
         engine = Engine(model, config)
@@ -400,14 +449,14 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
         pool = PoolService(engine, args.pool_redis_url, worker_id, prefix=args.pool_key_prefix,
                            interval_s=args.pool_interval_s)
     try:
-        asyncio.run(serve(engine, names or [model.name], args.host, args.port, args.drain_timeout,
-                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                          metrics_max_tenants=args.metrics_max_tenants, tracer_provider=tracer_provider,
-                          worker_id=worker_id, pool=pool, configure=configure))
+        return asyncio.run(serve(engine, names or [model.name], args.host, args.port, args.drain_timeout,
+                                 metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                 metrics_max_tenants=args.metrics_max_tenants, tracer_provider=tracer_provider,
+                                 worker_id=worker_id, pool=pool, configure=configure, verifier=verifier,
+                                 engine_failure_exit_s=args.engine_failure_exit_s))
     except OSError as exc:
         print(f"fairshare worker: {exc}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ Two sources:
   KV quotas on (``--kv-quota``), per tenant the soft quota and hard cap in blocks, whether it is
   over its soft quota, and the iterations it waited on its quota.
 - `WorkerMetrics.observe_*`, called by the gRPC servicer as outputs stream: per-tenant TTFT, ITL and
-  queue-time histograms, finished requests by reason, prompt and cached prompt tokens (cache hits).
+  queue-time histograms, finished requests by reason, prompt and cached prompt tokens (cache hits);
+  calls refused as UNAUTHENTICATED, by reason (fairshare/worker_auth.py).
+- `FaultCollector`: engine faults (steps that raised, each failing its batch) and whether repeated
+  faults failed the engine (worker/faults.py), for both the reference and the SGLang worker.
 
 Tenant labels are bounded: the worker does not know the tenant list, so the first ``max_tenants``
 distinct tenant ids it sees keep their own label and every later one is reported as ``other``
@@ -27,6 +30,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from fairshare.worker_auth import REASONS as AUTH_REASONS
 
 log = logging.getLogger("fairshare.worker")
 
@@ -177,6 +182,24 @@ class EngineCollector:
             yield fam
 
 
+class FaultCollector:
+    """``fairshare_worker_engine_faults_total`` and ``fairshare_worker_engine_failed`` from a
+    `worker.faults.FaultWindow`, read at scrape time."""
+
+    def __init__(self, faults) -> None:
+        self.faults = faults
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield CounterMetricFamily("fairshare_worker_engine_faults", "Engine steps (or scheduler calls) that "
+                                  "raised; each failed the requests of its batch", value=self.faults.total)
+        yield GaugeMetricFamily("fairshare_worker_engine_failed", "1 once repeated engine faults failed the "
+                                "engine: health NOT_SERVING until the process restarts",
+                                value=1 if self.faults.tripped else 0)
+
+
 # per-tier snapshot fields (worker/scheduling/core.py, SchedulingCore.tier_snapshot)
 _TIER_FIELDS = (
     ("fairshare_worker_tier_charged_service_units", "Service units charged to the tier's tenants", "counter",
@@ -208,13 +231,14 @@ def _tier_families(tiers: dict):
 class WorkerMetrics:
     """A worker's registry: the engine collector plus histograms and counters fed by the servicer.
 
-    engine: the `Engine` (or None: servicer metrics only). draining: () -> bool.
+    engine: the `Engine` (or None: servicer metrics only). draining: () -> bool. faults: the
+    `FaultWindow` to export (default: the engine's, if it has one).
     """
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, engine=None, *, max_tenants: int = DEFAULT_MAX_TENANTS,
-                 draining: Callable[[], bool] = lambda: False) -> None:
+                 draining: Callable[[], bool] = lambda: False, faults=None) -> None:
         self.registry = CollectorRegistry()
         self.labels = TenantLabels(max_tenants)
         self.draining = draining
@@ -234,8 +258,16 @@ class WorkerMetrics:
                                             "the tenant's prefix cache", ["tenant"], registry=r)
         self.cache_hits = Counter("fairshare_worker_cache_hit_requests", "Finished requests that reused at least "
                                   "one cached prompt token", ["tenant"], registry=r)
+        self.auth_failures = Counter("fairshare_worker_auth_failures", "Generate/Abort calls refused with "
+                                     "UNAUTHENTICATED (not signed by the gateway), by reason: missing, malformed, "
+                                     "unknown_key, bad_signature, expired, replayed", ["reason"], registry=r)
+        for reason in AUTH_REASONS:
+            self.auth_failures.labels(reason)  # every reason exported from the start (0)
         if engine is not None:
             r.register(EngineCollector(engine, self.labels, lambda: self.draining()))
+        faults = faults if faults is not None else getattr(engine, "faults", None)
+        if faults is not None:
+            r.register(FaultCollector(faults))
         self._server = None
         self._thread = None
 
@@ -266,6 +298,10 @@ class WorkerMetrics:
             self.cached_prompt_tokens.labels(label).inc(cached_tokens)
             self.cache_hits.labels(label).inc()
 
+    def observe_auth_failure(self, reason: str) -> None:
+        """A call refused as UNAUTHENTICATED (`reason`: one of fairshare.worker_auth.REASONS)."""
+        self.auth_failures.labels(reason).inc()
+
     # -- exposition -----------------------------------------------------------------------------
     def render(self) -> bytes:
         """The text exposition format of every metric."""
@@ -287,4 +323,4 @@ class WorkerMetrics:
             self._server = None
 
 
-__all__ = ["DEFAULT_MAX_TENANTS", "EngineCollector", "OTHER_TENANT", "TenantLabels", "WorkerMetrics"]
+__all__ = ["DEFAULT_MAX_TENANTS", "EngineCollector", "FaultCollector", "OTHER_TENANT", "TenantLabels", "WorkerMetrics"]

@@ -19,6 +19,21 @@ authenticated and the client's optional ``cache_salt`` (keyed hash under ``FAIRS
 or a per-process random secret; worker/cache/namespace.py, docs/cache-isolation.md); the gateway's
 ``Tenant.cache_namespace`` is not used for the reference engine's cache.
 
+Authentication (fairshare/worker_auth.py, docs/reliability.md): every ``Generate`` and ``Abort``
+must carry the gateway's token in its metadata, bound to the request's id, tenant, tier, weight
+and cache salt, unexpired and not used before; any other call is refused with UNAUTHENTICATED
+before the engine sees it, and counted (``fairshare_worker_auth_failures_total{reason}``).
+``GetLoad``, ``GetModelInfo`` and health stay open (load figures and the tokenizer only).
+
+Engine faults (worker/faults.py): a step that raises fails the requests of its batch, whose calls
+end with INTERNAL (the gateway answers 503 or an SSE error event, or retries one that had no token
+yet on another worker); repeated faults fail the engine: health goes NOT_SERVING, every live call
+ends with UNAVAILABLE, new ones get UNAVAILABLE, and after ``engine_failure_exit_s`` the process
+exits with status 3 so that its supervisor restarts it.
+
+Deadlines: the gateway's gRPC deadline travels with each call; when it passes, grpc cancels the
+handler, which aborts the request (queued or running) and frees its KV blocks.
+
 A request's grammar (structured outputs, forced tool calls) is compiled here, on a thread, before
 the request reaches the engine (worker/engine/grammar.py; compiled grammars are cached); one that does
 not compile is refused with INVALID_ARGUMENT and trailing metadata ``fairshare-invalid: grammar``, so
@@ -46,10 +61,12 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from fairshare import worker_auth
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.wire import INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
 from fairshare.wire import TIER_NAMES as _TIER_NAMES
-from worker.engine.engine import Engine, RequestOutput
+from worker.engine.engine import Engine, EngineFailed, RequestOutput
+from worker.faults import EXIT_ENGINE_FAILED
 from worker.engine.sequence import FinishReason, SamplingParams
 from worker.metrics import WorkerMetrics
 from worker.tracing import RequestTrace, worker_tracer
@@ -122,14 +139,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     metrics: where TTFT / ITL / finish figures go (default: a fresh `WorkerMetrics` over `engine`).
     tracer_provider: where spans go (default: the global provider, a no-op unless configured).
+    verifier: checks the gateway's token on Generate / Abort (`fairshare.worker_auth.Verifier`);
+    None: no authentication (only for in-process embedding and experiments; `fairshare worker`
+    always has one).
     """
 
     def __init__(self, engine: Engine, model_name: str | list[str], *, metrics: WorkerMetrics | None = None,
-                 tracer_provider=None, worker_id: str = "", pool=None) -> None:
+                 tracer_provider=None, verifier: worker_auth.Verifier | None = None, worker_id: str = "",
+                 pool=None) -> None:
         names = [model_name] if isinstance(model_name, str) else list(dict.fromkeys(model_name))
         if not names or not all(names):
             raise ValueError("a worker needs at least one non-empty model name")
         self.engine = engine
+        self.verifier = verifier
         self.model_name = names[0]
         self.served_model_names = names
         self.worker_id = worker_id
@@ -148,11 +170,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             bos_token=m.bos_token or "", eos_token=m.eos_token or "", worker_id=worker_id,
         )
 
+    async def _authenticate(self, claims: worker_auth.Claims, context) -> None:
+        await worker_auth.require(self.verifier, claims, context, self.metrics.observe_auth_failure)
+
     async def Generate(self, request, context):
+        await self._authenticate(worker_auth.generate_claims(request), context)
         if self.draining:
             self.refused_while_draining += 1
             log.info("refused request %s: draining (the gateway retries it on another worker)", request.request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        if self.engine.failed:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has failed: {self.engine.failed}")
         request_id = request.request_id or uuid.uuid4().hex
         tenant = request.tenant
         if not tenant.id:
@@ -183,6 +211,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 on_output, weight=tenant.weight or 1.0, tier=tier,
                 cache_salt=request.cache_salt,  # the engine derives the namespace (worker/cache/namespace.py)
             )
+        except EngineFailed as exc:
+            rt.end("rejected")
+            self.metrics.observe_finish(tenant.id, "rejected")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except ValueError as exc:
             rt.end("rejected")
             self.metrics.observe_finish(tenant.id, "rejected")
@@ -218,7 +250,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if out.error:
                         finished = True
                         outcome, end_ns, final = "error", at_ns, out
-                        await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                        # a failed engine is a worker to route around (UNAVAILABLE); one faulty batch is not
+                        code = grpc.StatusCode.UNAVAILABLE if self.engine.failed else grpc.StatusCode.INTERNAL
+                        await context.abort(code, out.error)
                     outs.append(out)
                     if out.finish_reason is not None:
                         finished = True
@@ -234,6 +268,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                         final.cached_tokens if final else 0)
 
     async def Abort(self, request, context):
+        await self._authenticate(worker_auth.abort_claims(request), context)
         return worker_pb2.AbortResponse(found=self.engine.abort(request.request_id))
 
     async def GetModelInfo(self, request, context):
@@ -290,8 +325,14 @@ def _fill_cache_load(load: worker_pb2.Load, snap: dict) -> None:
 async def serve(engine: Engine, model_name: str | list[str], host: str, port: int, drain_timeout_s: float = 30.0,
                 ready_message: bool = True, *, metrics_port: int = 0, metrics_host: str | None = None,
                 metrics_max_tenants: int = 64, tracer_provider=None, worker_id: str = "", pool=None,
-                configure=None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain (up to `drain_timeout_s` seconds) and stop.
+                configure=None, verifier: worker_auth.Verifier | None = None,
+                engine_failure_exit_s: float = 10.0) -> int:
+    """Serve until SIGTERM/SIGINT, then drain (up to `drain_timeout_s` seconds) and stop. Returns the
+    exit status: 0, or `EXIT_ENGINE_FAILED` (3) when the engine failed (worker/faults.py).
+
+    verifier: checks the gateway's tokens (see `WorkerServicer`). engine_failure_exit_s: once the
+    engine has failed (health NOT_SERVING), stop after this many seconds so that the supervisor
+    restarts the process (0: stay up, NOT_SERVING, until signalled).
 
     metrics_port: serve Prometheus ``/metrics`` over HTTP on metrics_host (default `host`):metrics_port
     (0: no metrics server). metrics_max_tenants: distinct tenant labels before ``other``.
@@ -310,7 +351,7 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
                                       ("grpc.max_receive_message_length", 64 * 2**20)])
     servicer = WorkerServicer(engine, model_name, metrics=WorkerMetrics(engine, max_tenants=metrics_max_tenants),
-                              tracer_provider=tracer_provider, worker_id=worker_id, pool=pool)
+                              tracer_provider=tracer_provider, verifier=verifier, worker_id=worker_id, pool=pool)
     if configure is not None:
         configure(server, engine, servicer)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -322,12 +363,34 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     if metrics_port:
         bound_metrics = servicer.metrics.serve(metrics_host or host, metrics_port)
         log.info("worker metrics on http://%s:%d/metrics", metrics_host or host, bound_metrics)
+    stop = asyncio.Event()
+    hurry = asyncio.Event()  # a second signal: stop draining now
+    loop = asyncio.get_running_loop()
+    failed_task: list[asyncio.Task] = []
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
+    async def engine_failed(reason: str) -> None:
+        for svc in ("", SERVICE_NAME):
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        print(f"fairshare worker: NOT_SERVING: {reason}" + (f"; exiting in {engine_failure_exit_s:g} s so that the "
+              "supervisor restarts it" if engine_failure_exit_s > 0 else ""), flush=True)
+        if engine_failure_exit_s > 0:
+            await asyncio.sleep(engine_failure_exit_s)
+            hurry.set()
+            stop.set()
+
+    engine.on_failed = lambda reason: loop.call_soon_threadsafe(
+        lambda: failed_task.append(asyncio.ensure_future(engine_failed(reason))))
     engine.start()
     if pool is not None:
         pool.start()
     await server.start()
     for svc in ("", SERVICE_NAME):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
+    if engine.failed and not failed_task:  # (failed before the loop could hear it)
+        failed_task.append(asyncio.ensure_future(engine_failed(engine.failed)))
     if ready_message:
         print(f"fairshare worker ready on {host}:{bound} (model {', '.join(servicer.served_model_names)}, "
               f"policy {engine.policy.name}, "
@@ -335,13 +398,6 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
         cache = ("off" if engine.cache is None else "on, one global namespace (UNSAFE)"
                  if not engine.config.cache_isolation else "on, namespaced per tenant")
         print(f"cost function: {engine.cost.describe()}; prefix cache {cache}", flush=True)
-
-    stop = asyncio.Event()
-    hurry = asyncio.Event()  # a second signal: stop draining now
-    loop = asyncio.get_running_loop()
-
-    def on_signal() -> None:
-        (hurry if stop.is_set() else stop).set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
@@ -364,3 +420,4 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     servicer.metrics.stop()
     if tracer_provider is not None:
         tracer_provider.shutdown()  # flushes batched spans
+    return EXIT_ENGINE_FAILED if engine.failed else 0

@@ -17,6 +17,17 @@ tenant where the plugin reads it, signed (see `worker.sglang_plugin.tenant`):
   `Tenant.cache_namespace` is not used); the plugin enforces it in the scheduler;
 - `cache_salt`: the client's salt (splits the tenant's own namespace only).
 
+Authentication: every ``Generate`` / ``Abort`` must carry the gateway's token (fairshare/worker_auth.py,
+the same check as the reference worker's); anything else is refused with UNAUTHENTICATED before SGLang
+sees it and counted in ``fairshare_worker_auth_failures_total{reason}`` (``--metrics-port``).
+
+Scheduler failure: SGLang's scheduler processes report a crash by sending SIGQUIT to this process
+(`sglang.srt.managers.scheduler.run_scheduler_process`). This worker then reports NOT_SERVING at
+once (the gateway stops routing to it), ends every open stream with UNAVAILABLE (the gateway retries
+those without a token yet on another worker, the others get an OpenAI error) and refuses new calls;
+after ``--engine-failure-exit-s`` it hands over to SGLang's own handler, which ends the process tree,
+so that its supervisor restarts it (worker/faults.py).
+
 SGLang's rid is a fixed-length digest of FairShare's request id: SGLang aborts by rid *prefix*
 (`Scheduler.abort_request` matches `rid.startswith(...)`), so rids must be prefix-free.
 
@@ -51,12 +62,14 @@ from pathlib import Path
 
 import grpc
 
+from fairshare import worker_auth
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.wire import FINISH_ENUMS as _FINISH
 from fairshare.wire import INVALID_METADATA_KEY
 from fairshare.wire import SERVICE_NAME
 from fairshare.wire import TIER_ENUMS as _TIER_ENUMS
 from fairshare.wire import TIER_NAMES as _TIER_NAMES
+from worker.faults import FaultWindow
 from worker.cli import add_served_name_arguments, served_names
 from worker.sglang_plugin import tenant as tenant_mod
 
@@ -65,6 +78,10 @@ log = logging.getLogger("fairshare.worker.sglang")
 
 class InvalidRequest(ValueError):
     """The request can never run (maps to gRPC INVALID_ARGUMENT)."""
+
+
+class SchedulerFailed(RuntimeError):
+    """SGLang's scheduler failed (its process reported it): the request cannot go on here."""
 
 
 def sglang_rid(request_id: str) -> str:
@@ -114,6 +131,8 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
     if s.top_p < 0 or s.top_p > 1:
         raise InvalidRequest("top_p must be in [0, 1]")
     room = facts.max_context_tokens - len(prompt)
+    request_id = request.request_id or uuid.uuid4().hex
+    rid = sglang_rid(request_id)
     sampling: dict = {
         "max_new_tokens": min(s.max_tokens, room) if s.max_tokens else room,
         "temperature": float(s.temperature),
@@ -122,7 +141,7 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
         "ignore_eos": bool(s.ignore_eos),
         "skip_special_tokens": True,
         "custom_params": {tenant_mod.CUSTOM_PARAM_KEY: tenant_mod.sign(
-            tenant.id, weight, _TIER_NAMES.get(tenant.tier, "interactive"), secret)},
+            tenant.id, weight, _TIER_NAMES.get(tenant.tier, "interactive"), secret, rid=rid)},
     }
     if s.stop:
         sampling["stop"] = list(s.stop)
@@ -140,11 +159,10 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
             sampling["json_schema"] = '{"type": "object"}'
         elif kind is not None:
             sampling[kind] = getattr(s.grammar, kind)  # json_schema, regex, ebnf, structural_tag
-    request_id = request.request_id or uuid.uuid4().hex
     kwargs = {
         "input_ids": prompt,
         "sampling_params": sampling,
-        "rid": sglang_rid(request_id),
+        "rid": rid,
         "stream": True,
         "extra_key": tenant_mod.extra_key_for(tenant.id, request.cache_salt, secret),
         "cache_salt": request.cache_salt or None,
@@ -341,10 +359,22 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
     GetLoad). request_factory: builds the request object from `request_to_sglang`'s keyword
     arguments (default SGLang's `GenerateReqInput`). Per-tenant figures in GetLoad are what this
     process sees (streams, usage); the virtual counters live in SGLang's scheduler processes.
+    verifier: checks the gateway's token on Generate / Abort (`fairshare.worker_auth.Verifier`; None:
+    no authentication, for tests of the translation only). metrics: a `worker.metrics.WorkerMetrics`
+    (default: a fresh one without engine). `faults` trips at the first scheduler failure
+    (`scheduler_failed`); `on_failed(reason)` is called then (the server sets health NOT_SERVING).
     """
 
-    def __init__(self, engine, facts: ModelFacts, secret: str, policy: str = "vtc", request_factory=None) -> None:
+    def __init__(self, engine, facts: ModelFacts, secret: str, policy: str = "vtc", request_factory=None, *,
+                 verifier: worker_auth.Verifier | None = None, metrics=None) -> None:
+        from worker.metrics import WorkerMetrics
+
         self.engine = engine
+        self.verifier = verifier
+        self.faults = FaultWindow(limit=1)  # one scheduler failure fails this worker
+        self.metrics = metrics if metrics is not None else WorkerMetrics(faults=self.faults)
+        self.on_failed = None
+        self._failed = asyncio.Event()
         self.request_factory = request_factory or _generate_req_input
         self.facts = facts
         self.secret = secret
@@ -371,9 +401,42 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception:  # the engine may be shutting down
             log.exception("abort of %s failed", rid)
 
+    def scheduler_failed(self, reason: str) -> None:
+        """SGLang's scheduler failed (SIGQUIT from a child process): stop serving here. Open streams end
+        with UNAVAILABLE, new calls are refused with UNAVAILABLE; `on_failed(reason)` is called. Call on
+        the event loop."""
+        if self.faults.failure(reason):
+            log.critical("SGLang scheduler failed (%s): NOT_SERVING; failing %d open stream(s)", reason, len(self.live))
+            self._failed.set()
+            if self.on_failed is not None:
+                self.on_failed(self.faults.reason)
+
+    async def _until_failed(self, generator):
+        """The generator's outputs, until SGLang's scheduler fails (then SchedulerFailed)."""
+        it = generator.__aiter__()
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(it.__anext__())
+                await asyncio.wait({nxt, failed}, return_when=asyncio.FIRST_COMPLETED)
+                if not nxt.done():
+                    nxt.cancel()
+                    await asyncio.gather(nxt, return_exceptions=True)
+                    raise SchedulerFailed(self.faults.reason or "the SGLang scheduler failed")
+                try:
+                    yield nxt.result()
+                except StopAsyncIteration:
+                    return
+        finally:
+            failed.cancel()
+
     async def Generate(self, request, context):
+        await worker_auth.require(self.verifier, worker_auth.generate_claims(request), context,
+                                  self.metrics.observe_auth_failure)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
+        if self.faults.tripped:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has failed: {self.faults.reason}")
         try:
             kwargs = request_to_sglang(request, self.facts, self.secret)
         except InvalidRequest as exc:
@@ -393,7 +456,7 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         finished = False
         generator = self.engine.tokenizer_manager.generate_request(self.request_factory(**kwargs), None)
         try:
-            async for out in generator:
+            async for out in self._until_failed(generator):
                 msg = translator.feed(out)
                 if msg is None:
                     continue
@@ -405,6 +468,8 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
                             # SGLang's grammar backend could not compile it ("Failed to compile ... grammar")
                             context.set_trailing_metadata(((INVALID_METADATA_KEY, "grammar"),))
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message or "invalid request")
+                    if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and (status or 0) >= 500:
+                        await context.abort(grpc.StatusCode.INTERNAL, message or "internal error in SGLang")
                     stats.prompt_tokens += msg.usage.prompt_tokens
                     stats.cached_tokens += msg.usage.cached_prompt_tokens
                     stats.output_tokens += msg.usage.completion_tokens
@@ -415,6 +480,9 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as exc:  # SGLang rejects some requests by raising in generate_request
             finished = True
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except SchedulerFailed as exc:
+            finished = True  # (nothing left to abort in SGLang)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has failed: {exc}")
         finally:
             stats.running -= 1
             self.live.pop(request_id, None)
@@ -423,6 +491,8 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
             await generator.aclose()
 
     async def Abort(self, request, context):
+        await worker_auth.require(self.verifier, worker_auth.abort_claims(request), context,
+                                  self.metrics.observe_auth_failure)
         rid = self.live.get(request.request_id)
         if rid is not None:
             self._abort_sglang(rid)
@@ -460,6 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus /metrics (auth refusals, engine failure) on this port (default 0: off)")
+    p.add_argument("--metrics-host", default=None, help="address of the metrics server (default: --host)")
+    from worker.cli import add_reliability_arguments
+
+    add_reliability_arguments(p)
     return p
 
 
@@ -484,13 +560,17 @@ def configure_plugin_env(args: argparse.Namespace) -> str:
     return tenant_mod.ensure_secret()
 
 
-async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_timeout_s: float = 30.0) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and stop. Raises OSError when the port is taken."""
+async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_timeout_s: float = 30.0, *,
+                engine_failure_exit_s: float = 10.0) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop. SIGQUIT (a failed SGLang scheduler) fails the
+    worker (`SGLangWorkerServicer.scheduler_failed`), then after `engine_failure_exit_s` seconds runs
+    SGLang's own SIGQUIT handler, which ends the process tree. Raises OSError when the port is taken."""
     import signal
 
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    servicer.engine.tokenizer_manager.auto_create_handle_loop()  # SGLang's loop task, before our signals
+    tm = servicer.engine.tokenizer_manager
+    tm.auto_create_handle_loop()  # SGLang's loop task (and its SIGQUIT handler), before our signals
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
                                       ("grpc.max_receive_message_length", 64 * 2**20)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -506,6 +586,20 @@ async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_time
           f"policy {servicer.policy})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    sglang_handler = getattr(getattr(tm, "signal_handler_class", None), "running_phase_sigquit_handler", None)
+
+    async def failed(reason: str) -> None:
+        for svc in ("", SERVICE_NAME):
+            await health_servicer.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        print(f"fairshare worker: NOT_SERVING: {reason}; stopping in {engine_failure_exit_s:g} s", flush=True)
+        await asyncio.sleep(max(0.5, engine_failure_exit_s))
+        if sglang_handler is not None:
+            sglang_handler(tm.signal_handler_class(tm))  # SGLang's clean-up: ends the process tree
+        os._exit(3)
+
+    servicer.on_failed = lambda reason: asyncio.ensure_future(failed(reason))
+    loop.add_signal_handler(signal.SIGQUIT, lambda: servicer.scheduler_failed(
+        "an SGLang scheduler process failed (SIGQUIT)"))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
@@ -542,15 +636,24 @@ def main(argv: list[str] | None = None) -> int:
         print("fairshare worker: --engine sglang needs SGLang: pip install 'fairshare[sglang]' (GPU nodes)",
               file=sys.stderr)
         return 1
+    try:
+        from worker.cli import make_verifier
+
+        verifier = make_verifier(args)
+    except SystemExit as exc:
+        return int(exc.code or 1)
     secret = configure_plugin_env(args)
     engine = sglang.Engine(**engine_kwargs(args))
     try:
         context_len = getattr(engine.tokenizer_manager, "context_len", None) or args.context_length
         facts = read_model_facts(args.model, context_len, served_names(parser, args))
-        servicer = SGLangWorkerServicer(engine, facts, secret, args.policy)
+        servicer = SGLangWorkerServicer(engine, facts, secret, args.policy, verifier=verifier)
+        if args.metrics_port:
+            servicer.metrics.serve(args.metrics_host or args.host, args.metrics_port)
         # SGLang's tokenizer manager serves from the engine's own event loop: run the server there.
         loop = getattr(engine, "loop", None) or asyncio.new_event_loop()
-        loop.run_until_complete(serve(servicer, args.host, args.port, args.drain_timeout))
+        loop.run_until_complete(serve(servicer, args.host, args.port, args.drain_timeout,
+                                      engine_failure_exit_s=args.engine_failure_exit_s))
     except OSError as exc:
         print(f"fairshare worker: {exc}", file=sys.stderr)
         return 1

@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication: every Generate and Abort carries the gateway's token in the call metadata
+    "fairshare-auth" (HMAC over the method, key id, expiry, request id, tenant id, tier, weight and
+    cache_salt; single-use; fairshare/worker_auth.py). Workers refuse any other call with
+    UNAUTHENTICATED. GetModelInfo, GetLoad and grpc.health.v1 are not authenticated.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,7 +61,11 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication: every Generate and Abort carries the gateway's token in the call metadata
+    "fairshare-auth" (HMAC over the method, key id, expiry, request id, tenant id, tier, weight and
+    cache_salt; single-use; fairshare/worker_auth.py). Workers refuse any other call with
+    UNAUTHENTICATED. GetModelInfo, GetLoad and grpc.health.v1 are not authenticated.
+    """
 
     def Generate(self, request, context):
         """Server-streaming generation. The first message carries timings.queued_s once the request is
@@ -121,7 +129,11 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """Authentication: every Generate and Abort carries the gateway's token in the call metadata
+    "fairshare-auth" (HMAC over the method, key id, expiry, request id, tenant id, tier, weight and
+    cache_salt; single-use; fairshare/worker_auth.py). Workers refuse any other call with
+    UNAUTHENTICATED. GetModelInfo, GetLoad and grpc.health.v1 are not authenticated.
+    """
 
     @staticmethod
     def Generate(request,

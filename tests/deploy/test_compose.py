@@ -150,3 +150,12 @@ def test_compose_file_structure_without_the_cli():
     # the named volumes used are declared
     used = {v.split(":", 1)[0] for s in services.values() for v in s.get("volumes", []) if isinstance(v, str)}
     assert {u for u in used if not u.startswith((".", "/", "$"))} <= set(doc["volumes"])
+    # worker authentication: init writes the key into the state volume; the gateway signs with it and
+    # every worker verifies with the same file, mounted read only, after init ran
+    keys = services["gateway"]["environment"]["FAIRSHARE_WORKER_KEYS_FILE"]
+    assert keys.startswith("/var/lib/fairshare/") and keys in " ".join(services["init"]["entrypoint"])
+    for name in ("worker", "worker-gpu"):
+        w = services[name]
+        assert w["environment"]["FAIRSHARE_WORKER_KEYS_FILE"] == keys, name
+        assert "state:/var/lib/fairshare:ro" in w["volumes"], name
+        assert w["depends_on"]["init"]["condition"] == "service_completed_successfully", name

@@ -274,6 +274,33 @@ def test_gateway_reads_tenants_from_configmap_and_keys_from_secret(helm, value_s
     assert vol["secret"]["defaultMode"] & 0o007 == 0, "secret files readable by others"
 
 
+@pytest.mark.parametrize("value_set", VALUE_SETS)
+def test_gateway_and_workers_share_the_worker_auth_keys(helm, value_set, tmp_path):
+    """The gateway signs worker calls and the workers verify with the same `worker-keys` entry of the
+    Secret, mounted as a whole directory (a rotated key reaches running pods), never in plain env."""
+    keys = tmp_path / "secrets.yaml"
+    keys.write_text(yaml.safe_dump({"secrets": {"workerKeys": "k2:" + "n" * 40 + "\nk1:" + "o" * 40}}))
+    docs = helm.render((*VALUE_SETS[value_set], str(keys)))
+    secret = one(docs, "Secret")
+    text = base64.b64decode(secret["data"]["worker-keys"]).decode()
+    from fairshare.worker_auth import WorkerKeys
+
+    assert WorkerKeys.parse(text).ids == ["k2", "k1"]
+    for kind, component in (("Deployment", "gateway"), ("StatefulSet", "worker")):
+        w = one(docs, kind, component)
+        c = container(w, component)
+        path = env_of(c)["FAIRSHARE_WORKER_KEYS_FILE"]["value"]
+        mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/"))
+        assert "subPath" not in mount and mount.get("readOnly")
+        vol = {v["name"]: v for v in pod_spec(w)["volumes"]}[mount["name"]]
+        assert vol["secret"]["secretName"] == secret["metadata"]["name"]
+        item = next(i for i in vol["secret"]["items"] if i["path"] == path.rsplit("/", 1)[1])
+        assert item["key"] == "worker-keys" and vol["secret"]["defaultMode"] & 0o007 == 0
+        assert "n" * 40 not in yaml.safe_dump(w)
+    generated = one(helm.render(VALUE_SETS[value_set]), "Secret")  # none given: one generated key
+    assert len(WorkerKeys.parse(base64.b64decode(generated["data"]["worker-keys"]).decode()).ids) == 1
+
+
 def test_existing_secret_is_used_instead_of_the_charts(helm):
     docs = helm.render(sets=("secrets.existingSecret=my-fairshare",))
     assert not of_kind(docs, "Secret")

@@ -46,10 +46,11 @@ def fairshare_command() -> list[str]:
 
 
 def start_up(state_dir: Path, *extra: str, model: str = "smollm2",
-             timeout_s: float = SMOLLM2_START_TIMEOUT_S) -> UpProcess:
-    """`fairshare up` (the console script) on free ports with `state_dir`, once its banner is printed.
-    Raises UpNotReady (it is stopped first) when it exits or is not ready within `timeout_s`."""
-    return UpProcess(state_dir, *extra, model=model, command=fairshare_command()).start(timeout_s)
+             timeout_s: float = SMOLLM2_START_TIMEOUT_S, workers: int = 1) -> UpProcess:
+    """`fairshare up` (the console script) on free ports with `state_dir` (``--workers`` `workers`, on
+    consecutive free ports), once its banner is printed. Raises UpNotReady (it is stopped first) when
+    it exits or is not ready within `timeout_s`."""
+    return UpProcess(state_dir, *extra, model=model, command=fairshare_command(), workers=workers).start(timeout_s)
 
 
 def assert_all_stopped(up: UpProcess, info: dict) -> None:
@@ -71,7 +72,8 @@ def assert_all_stopped(up: UpProcess, info: dict) -> None:
         return out
 
     wait_for(lambda: not alive(), lambda: f"every child of `fairshare up` gone; still running: {alive()}")
-    for name, port in [("gateway", up.port), ("worker", up.worker_port), ("redis", up.redis_port)]:
+    for name, port in [("gateway", up.port), ("redis", up.redis_port),
+                       *[("worker", up.worker_port + i) for i in range(up.workers)]]:
         assert not port_in_use("127.0.0.1", port), f"{name} port {port} still in use"
 
 

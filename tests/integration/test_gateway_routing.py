@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fairshare.procs import free_port
+from fairshare.worker_auth import METADATA_KEY
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import GATEWAY_TEST_SECRET
@@ -66,12 +67,19 @@ class ProxyWorker(pb_grpc.WorkerServicer):
             yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_ABORT,
                                       usage=pb.Usage(prompt_tokens=len(request.prompt_token_ids)))
             return
-        call = self.stub.Generate(request)
+        yield from self.forward(request, context)
+
+    def forward(self, request, context):
+        """The real worker's Generate call for `request`, signed with the gateway's token (cancelled
+        with the caller's call)."""
+        token = [(k, v) for k, v in context.invocation_metadata() if k == METADATA_KEY]  # the gateway's
+        call = self.stub.Generate(request, metadata=token)
         context.add_callback(call.cancel)
-        yield from call
+        return call
 
     def Abort(self, request, context):
-        return self.stub.Abort(request)
+        return self.stub.Abort(request, metadata=[(k, v) for k, v in context.invocation_metadata()
+                                                  if k == METADATA_KEY])
 
     def GetModelInfo(self, request, context):
         info = self.stub.GetModelInfo(request)

@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from fairshare.procs import free_port
 from fairshare.telemetry import extract_metadata, inject_metadata, make_tracer_provider
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.auth import signed
 from tests.conftest import wait_ready
 from tests.support.waits import wait_for
 
@@ -197,7 +198,7 @@ def test_worker_span_without_trace_metadata_is_a_root(traced_stack):
     req = worker_pb2.GenerateRequest(request_id="no-trace-ctx", tenant=worker_pb2.Tenant(id="direct", weight=1.0),
                                      prompt_token_ids=list(range(100, 120)),
                                      sampling=worker_pb2.SamplingParams(max_tokens=3, ignore_eos=True))
-    assert sum(len(m.token_ids) for m in stub.Generate(req)) == 3
+    assert sum(len(m.token_ids) for m in stub.Generate(req, metadata=signed(req))) == 3
     gen = _finished(exporter, "worker.generate")[0]
     assert gen.parent is None
     assert gen.attributes["fairshare.request_id"] == "no-trace-ctx"

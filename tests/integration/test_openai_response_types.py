@@ -183,8 +183,7 @@ class AbortAfterFirstMessage(ProxyWorker):
 
     def Generate(self, request, context):
         self.requests.append(request)
-        call = self.stub.Generate(request)
-        context.add_callback(call.cancel)
+        call = self.forward(request, context)
         for msg in call:
             if msg.token_ids:  # the worker may send every token and its finish in one (coalesced) message:
                 part = pb.GenerateResponse()  # forward its tokens as unfinished, then give up

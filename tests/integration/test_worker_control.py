@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from fairshare.v1 import worker_pb2
+from tests.support.auth import signed
 from tests.integration.test_worker_grpc import collect, gen_request, stub_for, wait_idle, wait_load
 from tests.support.waits import join_all, wait_for
 
@@ -40,7 +41,7 @@ def test_hold_when_stops_at_an_exact_token_count(worker_addr, control):
     stub = stub_for(worker_addr)
     control.hold()
     reqs = [gen_request("ctl-exact", list(range(40 + i, 60 + i)), max_tokens=50) for i in range(2)]
-    calls = [stub.Generate(r) for r in reqs]
+    calls = [stub.Generate(r, metadata=signed(r)) for r in reqs]
 
     def drain(call) -> None:
         try:

@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.auth import signed
 from tests.conftest import start_worker, stop_worker
 from tests.support.control_client import WorkerControl
 from tests.support.waits import join_all, wait_for
@@ -29,9 +30,13 @@ def gen_request(tenant, prompt, max_tokens=16, weight=1.0, **sampling):
     )
 
 
+def abort_req(request_id: str) -> worker_pb2.AbortRequest:
+    return worker_pb2.AbortRequest(request_id=request_id)
+
+
 def collect(stub, req):
     tokens, text, last = [], "", None
-    for msg in stub.Generate(req):
+    for msg in stub.Generate(req, metadata=signed(req)):
         tokens += list(msg.token_ids)
         text += msg.text_delta
         last = msg
@@ -113,7 +118,7 @@ def test_cancelled_stream_and_abort_rpc_free_every_kv_block(worker_addr, control
     # 1) the client cancels the stream mid-generation
     req = gen_request("cancel-t", list(range(1, 300)), max_tokens=5000)
     control.hold_when("token", tenant="cancel-t", count=2)
-    call = stub.Generate(req)
+    call = stub.Generate(req, metadata=signed(req))
     next(call)
     next(call)
     wait_for(lambda: control.state()["held"], "engine held after cancel-t's 2nd token")
@@ -124,19 +129,25 @@ def test_cancelled_stream_and_abort_rpc_free_every_kv_block(worker_addr, control
     r = control.requests(request_id=req.request_id)[req.request_id]
     assert r.reason == "abort" and len(r.tokens) == 2 and r.tokens_after(r.abort_requested[0]) == 0
     control.release()
+    cancelled_id = req.request_id
     # 2) Abort by request id
     req = gen_request("abort-t", list(range(1, 300)), max_tokens=5000)
     control.hold_when("token", tenant="abort-t", count=1)
-    call = stub.Generate(req)
+    call = stub.Generate(req, metadata=signed(req))
     next(call)
     wait_for(lambda: control.state()["held"], "engine held after abort-t's first token")
-    assert stub.Abort(worker_pb2.AbortRequest(request_id=req.request_id)).found
+    assert stub.Abort(abort_req(req.request_id), metadata=signed(abort_req(req.request_id))).found
     last = None
     for msg in call:
         last = msg
     assert last.finish_reason == worker_pb2.FINISH_REASON_ABORT and last.usage.completion_tokens == 1
     assert wait_idle(stub).kv_blocks_used == 0
-    assert not stub.Abort(worker_pb2.AbortRequest(request_id=req.request_id)).found
+    # idempotent: a request no longer live is "not found" (the cancelled one above) ...
+    assert not stub.Abort(abort_req(cancelled_id), metadata=signed(abort_req(cancelled_id))).found
+    # ... and one Abort per request id: a second one, even freshly signed, is refused as a replay
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Abort(abort_req(req.request_id), metadata=signed(abort_req(req.request_id)))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "already used" in err.value.details()
 
 
 def test_invalid_requests_are_refused_with_invalid_argument(worker_addr):

@@ -18,6 +18,7 @@ import pytest
 
 from fairshare.procs import free_port
 from fairshare.v1 import worker_pb2
+from tests.support.auth import signed
 from tests.conftest import start_worker
 from tests.integration.test_worker_grpc import gen_request, stub_for, wait_idle, wait_load
 from tests.support.waits import join_all
@@ -68,7 +69,7 @@ def test_getload_and_metrics_report_quotas_and_reclaim(quota_worker):
     calls, results = [], {}
 
     def run(name, req):
-        call = stub.Generate(req)
+        call = stub.Generate(req, metadata=signed(req))
         calls.append(call)
         try:
             for msg in call:
@@ -124,7 +125,8 @@ def test_getload_and_metrics_report_quotas_and_reclaim(quota_worker):
 
 def test_worker_without_quotas_reports_them_off(worker_addr):
     stub = stub_for(worker_addr)
-    for _ in stub.Generate(gen_request("plain", [5, 6, 7], max_tokens=2)):
+    plain = gen_request("plain", [5, 6, 7], max_tokens=2)
+    for _ in stub.Generate(plain, metadata=signed(plain)):
         pass
     load = stub.GetLoad(worker_pb2.GetLoadRequest())
     assert not load.kv_quota_enabled and load.reclaim_preemptions == 0

@@ -216,6 +216,9 @@ class InProcessGateway(_TenantClients):
         wait_ready(self.base_url, timeout_s)
         return self
 
+    def redis_client(self) -> redis_sync.Redis:
+        return redis_sync.Redis.from_url(self.redis_url, socket_timeout=5)
+
     def held_lease_ids(self) -> set[str]:
         """Lease ids this gateway holds for running requests (Redis-held and local)."""
         return set(dict(self.gw.control.live))
@@ -239,7 +242,7 @@ class GatewayProcess(_TenantClients):
         self.log_path = d / f"gateway-{self.port}-{int(time.time() * 1000)}.log"
         cmd = [sys.executable, "-m", "fairshare.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
                "--tenants", str(self.tenants_file), "--workers", ",".join(workers), "--redis-url", redis_url, *args]
-        e = {k: v for k, v in os.environ.items() if not k.startswith("FAIRSHARE_")}
+        e = {k: v for k, v in os.environ.items() if not k.startswith("FAIRSHARE_") or k == "FAIRSHARE_WORKER_KEYS"}
         e.update({"FAIRSHARE_SECRET": SECRET, "FAIRSHARE_HEALTH_INTERVAL_S": "0.3", "PYTHONUNBUFFERED": "1"})
         e.update(env or {})
         self._log = open(self.log_path, "wb")

@@ -104,12 +104,17 @@ def one(gw: InProcessGateway, i: int, kind: str, tenant: str, rng: random.Random
     return rec
 
 
-def streaming_from(gw: InProcessGateway) -> str | None:
-    """The worker a "long" response is streaming from (with a while to go), if any."""
+def streaming_from(gw: InProcessGateway, workers) -> str | None:
+    """The worker a "long" response is stalled on mid-stream, if any: the worker holds it after two
+    messages (`stall_after`), so it is still in progress when the worker dies, however many tokens
+    the worker put in each message and however fast the machine is."""
+    stalled = {e["request_id"] for i in range(len(workers.addrs)) for e in workers.control(i).events()
+               if e["kind"] == "stalled"}
     for s in list(gw.gw.live):
+        gen = s.jobs[0].gen
         if (s.first_token_at is not None and not s.client_gone and s.jobs[0].max_tokens == LONG_TOKENS
-                and s.jobs[0].gen is not None and s.jobs[0].completion_tokens < LONG_TOKENS // 2):
-            return s.jobs[0].gen.worker.addr
+                and gen is not None and gen.request_id in stalled and s.jobs[0].completion_tokens < LONG_TOKENS):
+            return gen.worker.addr
     return None
 
 
@@ -142,7 +147,8 @@ def test_soak_200_requests_with_faults_leaves_nothing_behind(workers, redis_url,
             for i in range(2):  # from now on "long" responses stop after two messages, until the kill
                 workers.control(i).inject("stall_after", after=2, prompt_contains=MARK_LONG)
             victim = []
-            wait_until(lambda: victim.append(streaming_from(gw)) or victim[-1], "a long response streaming")
+            wait_until(lambda: victim.append(streaming_from(gw, workers)) or victim[-1],
+                       "a long response stalled mid-stream at a worker")
             k = workers.addrs.index(victim[-1])
             workers.kill(k)  # a real worker fault in the middle of the soak, with a response streaming from it
             killed_at = done_count[0]

@@ -302,7 +302,8 @@ class SGLangDriver(ScriptedDriver):
         `fairshare worker --engine sglang` (`worker.sglang_server`): signed tenant token in
         `custom_params`, the worker-derived `extra_key`."""
         tenant = self.workload.tenant(r.tenant_id)
-        custom = {tenant_mod.CUSTOM_PARAM_KEY: tenant_mod.sign(tenant.tenant_id, tenant.weight, tenant.tier, self.secret)}
+        custom = {tenant_mod.CUSTOM_PARAM_KEY: tenant_mod.sign(tenant.tenant_id, tenant.weight, tenant.tier, self.secret,
+                                                                 rid=r.request_id)}
         sp = SamplingParams(max_new_tokens=r.output_tokens, custom_params=custom)
         sp.normalize(None)
         sp.verify(VOCAB_SIZE)

@@ -22,7 +22,7 @@ class FakeReq:
     """The fields of SGLang 0.5.23's Req that the plugin reads."""
 
     def __init__(self, rid, tenant, prompt_len, weight=1.0, salt=None, output=0, lora_id=None, max_new=16):
-        token = tn.sign(tenant, weight, "interactive", SECRET) if tenant else None
+        token = tn.sign(tenant, weight, "interactive", SECRET, rid=rid) if tenant else None
         self.rid = rid
         self.origin_input_ids = list(range(prompt_len))
         self.output_ids = list(range(output))
@@ -213,16 +213,37 @@ def test_deterministic_across_replicas():
 
 
 def test_tenant_token_roundtrip_and_tamper():
-    token = tn.sign("acme", 2.5, "batch", "k")
-    tag = tn.verify(token, "k")
-    assert tag == tn.TenantTag("acme", 2.5, "batch", verified=True)
-    assert tn.verify(token, "other-secret") is None
+    token = tn.sign("acme", 2.5, "batch", "k", rid="r1", now=1000.0)
+    tag, expiry = tn.verify(token, "k", rid="r1", now=1000.0)
+    assert tag == tn.TenantTag("acme", 2.5, "batch", verified=True) and expiry == 1000 + tn.INTERNAL_TTL_S
+    assert tn.verify(token, "other-secret", rid="r1", now=1000.0) is None
     head, payload, mac = token.split(".")
-    forged = tn.sign("evil", 100.0, "interactive", "attacker")
-    assert tn.verify(f"{head}.{forged.split('.')[1]}.{mac}", "k") is None
-    assert tn.verify(None, "k") is None and tn.verify(token, None) is None
+    forged = tn.sign("evil", 100.0, "interactive", "attacker", rid="r1", now=1000.0)
+    assert tn.verify(f"{head}.{forged.split('.')[1]}.{mac}", "k", rid="r1", now=1000.0) is None
+    assert tn.verify(None, "k", rid="r1") is None and tn.verify(token, None, rid="r1") is None
     with pytest.raises(ValueError):
-        tn.sign("acme", 0.0, "batch", "k")
+        tn.sign("acme", 0.0, "batch", "k", rid="r1")
+
+
+def test_tenant_token_is_bound_to_its_request_and_expires():
+    token = tn.sign("acme", 1.0, "interactive", "k", rid="r1", ttl_s=30, now=1000.0)
+    assert tn.verify(token, "k", rid="r2", now=1000.0) is None                 # moved to another request
+    assert tn.verify(token, "k", rid="r1", now=1030.0) is not None             # valid until its expiry ...
+    assert tn.verify(token, "k", rid="r1", now=1031.0) is None                 # ... not after
+    old_v2 = "v2." + token.split(".")[1] + "." + token.split(".")[2]           # the old, expiry-less format
+    assert tn.verify(old_v2, "k", rid="r1", now=1000.0) is None
+
+
+def test_replayed_tenant_token_is_accounted_unverified():
+    """The same rid (with its valid token) on a second request object is a replay: unverified, in the
+    unverified namespace; the first one keeps its tenant."""
+    s = FairShareState(secret=SECRET)
+    first, replay = FakeReq("r-1", "acme", 8), FakeReq("r-1", "acme", 8)
+    replay.sampling_params.custom_params = dict(first.sampling_params.custom_params)  # the captured token
+    assert s.tag_of(first).tenant_id == "acme" and s.tag_of(first).verified
+    tag = s.tag_of(replay)
+    assert tag.tenant_id == tn.UNVERIFIED_TENANT and not tag.verified
+    assert replay.extra_key.startswith(tn.UNVERIFIED_PREFIX)
 
 
 def test_state_from_env():

@@ -10,11 +10,14 @@ request with `skip_tokenizer_init`: cumulative `output_ids` (or only the new ids
 from __future__ import annotations
 
 import asyncio
+import os
 
 import grpc
 import pytest
 
+from fairshare import worker_auth
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
+from tests.support.auth import forged_calls, signed
 from tests.support.waits import wait_for_async
 from worker import sglang_server as ss
 from worker.sglang_plugin import tenant as tn
@@ -74,9 +77,13 @@ class FakeEngine:
 FACTS = ss.ModelFacts(name="fake", max_context_tokens=128, vocab_size=1000, eos_token_ids=[2])
 
 
+def _verifier() -> worker_auth.Verifier:
+    return worker_auth.Verifier(worker_auth.WorkerKeys.parse(os.environ[worker_auth.KEYS_ENV]))
+
+
 async def _serve(engine):
     server = grpc.aio.server()
-    servicer = ss.SGLangWorkerServicer(engine, FACTS, "sec", "vtc", request_factory=dict)
+    servicer = ss.SGLangWorkerServicer(engine, FACTS, "sec", "vtc", request_factory=dict, verifier=_verifier())
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -96,7 +103,8 @@ async def test_generate_streams_tokens_and_usage(incremental, per_step):
     engine = FakeEngine(incremental=incremental, tokens_per_step=per_step)
     server, channel, stub, servicer = await _serve(engine)
     try:
-        msgs = [m async for m in stub.Generate(_request(max_tokens=4))]
+        req = _request(max_tokens=4)
+        msgs = [m async for m in stub.Generate(req, metadata=signed(req))]
         tokens = [t for m in msgs for t in m.token_ids]
         assert tokens == [10, 11, 12, 13]
         final = msgs[-1]
@@ -105,7 +113,8 @@ async def test_generate_streams_tokens_and_usage(incremental, per_step):
         assert msgs[0].timings.queued_s == pytest.approx(0.005) and final.timings.first_token_s > 0
         sent = engine.tokenizer_manager.requests[0]
         assert sent["extra_key"] == tn.extra_key_for("acme", "", "sec") and sent["rid"] == ss.sglang_rid("r1")
-        assert tn.verify(sent["sampling_params"]["custom_params"][tn.CUSTOM_PARAM_KEY], "sec").tenant_id == "acme"
+        tag, _ = tn.verify(sent["sampling_params"]["custom_params"][tn.CUSTOM_PARAM_KEY], "sec", rid=sent["rid"])
+        assert tag.tenant_id == "acme"
         load = await stub.GetLoad(worker_pb2.GetLoadRequest())
         assert load.policy == "vtc" and load.tenants[0].tenant_id == "acme" and load.tenants[0].output_tokens == 4
         assert load.tenants[0].prompt_tokens == 3 and load.tenants[0].finished == 1   # uncached prompt tokens
@@ -120,18 +129,22 @@ async def test_abort_rpc_and_stream_cancel_abort_in_sglang():
     engine = FakeEngine(steps=50, delay=0.02, until_aborted=True)
     server, channel, stub, servicer = await _serve(engine)
     try:
-        call = stub.Generate(_request("r-abort", max_tokens=100))
+        req = _request("r-abort", max_tokens=100)
+        call = stub.Generate(req, metadata=signed(req))
         first = await call.read()
         assert list(first.token_ids) == [10]
-        resp = await stub.Abort(worker_pb2.AbortRequest(request_id="r-abort"))
+        abort = worker_pb2.AbortRequest(request_id="r-abort")
+        resp = await stub.Abort(abort, metadata=signed(abort))
         assert resp.found and engine.tokenizer_manager.aborted == [ss.sglang_rid("r-abort")]
         rest = []
         while (m := await call.read()) is not grpc.aio.EOF:
             rest.append(m)
         assert rest[-1].finish_reason == worker_pb2.FINISH_REASON_ABORT
-        assert not (await stub.Abort(worker_pb2.AbortRequest(request_id="r-abort"))).found
+        gone = worker_pb2.AbortRequest(request_id="r-never-live")
+        assert not (await stub.Abort(gone, metadata=signed(gone))).found
 
-        call2 = stub.Generate(_request("r-cancel", max_tokens=100))
+        req2 = _request("r-cancel", max_tokens=100)
+        call2 = stub.Generate(req2, metadata=signed(req2))
         await call2.read()
         call2.cancel()                                   # the gateway went away
         await wait_for_async(lambda: ss.sglang_rid("r-cancel") in engine.tokenizer_manager.aborted,
@@ -145,10 +158,80 @@ async def test_abort_rpc_and_stream_cancel_abort_in_sglang():
 async def test_invalid_requests_rejected():
     server, channel, stub, _ = await _serve(FakeEngine())
     try:
-        for bad in (_request(prompt=()), _request(prompt=[5] * 128), _request(prompt=[1000])):
+        for bad in (_request("bad-1", prompt=()), _request("bad-2", prompt=[5] * 128), _request("bad-3", prompt=[1000])):
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                [m async for m in stub.Generate(bad)]
+                [m async for m in stub.Generate(bad, metadata=signed(bad))]
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+def _tenant_request(rid: str, tenant: str, weight: float) -> worker_pb2.GenerateRequest:
+    req = _request(rid)
+    req.tenant.id, req.tenant.weight = tenant, weight
+    return req
+
+
+async def test_calls_not_signed_by_the_gateway_are_unauthenticated_and_never_reach_sglang():
+    """No token, a forged one, an unknown key, a token moved to another identity, an expired one, a
+    garbled one, and a replay of a used one: UNAUTHENTICATED, counted per reason, and SGLang never
+    sees the request (its tokenizer manager got exactly the one honest call)."""
+    engine = FakeEngine()
+    server, channel, stub, servicer = await _serve(engine)
+    try:
+        for case, reason, req, md in forged_calls(_tenant_request):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(req, metadata=md)]
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, case
+            assert servicer.metrics.auth_failures.labels(reason)._value.get() >= 1, (case, reason)
+        assert engine.tokenizer_manager.requests == [] and servicer.tenants == {}
+        honest = _tenant_request("auth-replay", "victim", 1.0)
+        md = signed(honest)
+        msgs = [m async for m in stub.Generate(honest, metadata=md)]
+        assert msgs[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the same call again, captured
+            [m async for m in stub.Generate(honest, metadata=md)]
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "already used" in err.value.details()
+        assert servicer.metrics.auth_failures.labels("replayed")._value.get() == 1
+        assert len(engine.tokenizer_manager.requests) == 1          # only the honest call reached SGLang
+        abort = worker_pb2.AbortRequest(request_id="auth-replay")
+        with pytest.raises(grpc.aio.AioRpcError) as err:            # Abort needs a token as well
+            await stub.Abort(abort)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and engine.tokenizer_manager.aborted == []
+        load = await stub.GetLoad(worker_pb2.GetLoadRequest())     # load and model info stay open
+        assert [t.tenant_id for t in load.tenants] == ["victim"]
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_scheduler_failure_fails_open_streams_and_refuses_new_calls():
+    """SGLang's scheduler reports a failure (the SIGQUIT handler calls `scheduler_failed`): the open
+    stream ends with UNAVAILABLE (the gateway retries a request without tokens elsewhere), new calls
+    are refused with UNAVAILABLE, the failure is exported, and `on_failed` (health NOT_SERVING) ran."""
+    engine = FakeEngine(steps=50, delay=0.02, until_aborted=True)
+    server, channel, stub, servicer = await _serve(engine)
+    heard = []
+    servicer.on_failed = heard.append
+    try:
+        req = _request("r-open", max_tokens=100)
+        call = stub.Generate(req, metadata=signed(req))
+        assert list((await call.read()).token_ids) == [10]            # streaming, then waiting in SGLang
+        servicer.scheduler_failed("an SGLang scheduler process failed (SIGQUIT)")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "failed" in err.value.details()
+        assert heard and "SIGQUIT" in heard[0]
+        late = _request("r-late")
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            [m async for m in stub.Generate(late, metadata=signed(late))]
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert [r["rid"] for r in engine.tokenizer_manager.requests] == [ss.sglang_rid("r-open")]
+        text = servicer.metrics.render().decode()
+        assert "fairshare_worker_engine_failed 1.0" in text and "fairshare_worker_engine_faults_total 1.0" in text
+        await wait_for_async(lambda: "r-open" not in servicer.live, "the failed stream no longer live")
     finally:
         await channel.close()
         await server.stop(None)
@@ -160,7 +243,7 @@ async def test_a_grammar_sglang_cannot_compile_is_invalid_argument_naming_the_gr
         req = _request("r-grammar")
         req.sampling.grammar.regex = "(["
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            [m async for m in stub.Generate(req)]
+            [m async for m in stub.Generate(req, metadata=signed(req))]
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "compile" in err.value.details()
         assert dict(err.value.trailing_metadata())["fairshare-invalid"] == "grammar"
         assert "r-grammar" not in servicer.live

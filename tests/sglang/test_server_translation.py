@@ -49,8 +49,9 @@ def test_request_translation_carries_signed_tenant_and_namespace():
     sp = kw["sampling_params"]
     assert sp["max_new_tokens"] == 8 and sp["temperature"] == 0.0 and sp["top_k"] == 5 and sp["top_p"] == 1.0
     assert sp["stop"] == ["\n\n"] and sp["stop_token_ids"] == [9] and sp["sampling_seed"] == 7
-    tag = tn.verify(sp["custom_params"][tn.CUSTOM_PARAM_KEY], "sec")
+    tag, _ = tn.verify(sp["custom_params"][tn.CUSTOM_PARAM_KEY], "sec", rid=kw["rid"])
     assert tag == tn.TenantTag("acme", 2.0, "batch", verified=True)
+    assert tn.verify(sp["custom_params"][tn.CUSTOM_PARAM_KEY], "sec", rid=ss.sglang_rid("other")) is None
     # What the plugin does with it in SGLang's scheduler: attributes it, keeps the namespace
     req = type("Req", (), {})()
     req.rid, req.origin_input_ids, req.output_ids, req.lora_id = kw["rid"], kw["input_ids"], [], None

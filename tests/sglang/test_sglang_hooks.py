@@ -97,7 +97,7 @@ class StubScheduler:
 def make_req(rid, tenant, tokens, weight=1.0, salt=None, signed=True, max_new=32):
     """A real SGLang Req as `fairshare worker --engine sglang` would make it for `tenant`."""
     secret = os.environ["FAIRSHARE_SGLANG_SECRET"]
-    custom = {tn.CUSTOM_PARAM_KEY: tn.sign(tenant, weight, "interactive", secret)}
+    custom = {tn.CUSTOM_PARAM_KEY: tn.sign(tenant, weight, "interactive", secret, rid=rid)}
     sp = SamplingParams(max_new_tokens=max_new, custom_params=custom if signed else None)
     return Req(rid, "", array("q", tokens), sp, extra_key=tn.extra_key_for(tenant, salt, secret), cache_salt=salt)
 
@@ -155,7 +155,7 @@ def test_lift_on_arrival_but_not_for_retracted(state):
 def test_unsigned_request_is_not_attributed_and_leaves_tenant_namespaces(state):
     sched = StubScheduler()
     forged = make_req("x", "A", [1, 2, 3], signed=False)      # claims A's namespace, no valid token
-    forged.sampling_params.custom_params = {tn.CUSTOM_PARAM_KEY: tn.sign("A", 9.0, "interactive", "guess")}
+    forged.sampling_params.custom_params = {tn.CUSTOM_PARAM_KEY: tn.sign("A", 9.0, "interactive", "guess", rid="x")}
     arrive(sched, forged)
     assert forged.fairshare_tag.tenant_id == tn.UNVERIFIED_TENANT
     assert forged.extra_key.startswith(tn.UNVERIFIED_PREFIX)

@@ -12,7 +12,8 @@ wraps, on that one process's objects:
 - `engine.runner.forward`: raises on its N-th call, or when its batch holds a request of a given
   tenant / id (optionally once that request has N output tokens): the engine's real failure path.
 - `engine.abort` and `engine.recorder`: an ordered event log (arrival, admit, token, abort_requested,
-  finish, held, released) with the engine's clock (``time.monotonic``) and one sequence number across
+  finish, held, released, and ``fault``: an injected forward failure, with the request ids of its
+  batch) with the engine's clock (``time.monotonic``) and one sequence number across
   all kinds, so tests assert on order ("no token after the cancel reached the worker") instead of time.
 - the servicer's `Generate`: per matching request (tenant and/or prompt text), refuse it with
   INVALID_ARGUMENT (``reject``: a refusal after the gateway admitted it), fail it with INTERNAL after
@@ -121,6 +122,7 @@ class TestControl:
             self.forward_calls += 1
             fault = self._forward_fault()
             if fault is not None:
+                self.record("fault", "", self.clock(), request_ids=[c.seq.request_id for c in self._chunks])
                 raise RuntimeError(f"injected test fault: model forward failed ({fault})")
             return forward(items, *args, **kwargs)
 

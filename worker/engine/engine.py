@@ -33,6 +33,7 @@ from worker.scheduling.quota import KVQuota, KVQuotaConfig
 from worker.engine.detokenizer import IncrementalDetokenizer, stop_string_holdback
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
+from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S, FaultWindow
 from worker.scheduling.cost import make_cost
 from worker.scheduling.policy import make_policy
 from worker.scheduling.pool import PoolCounters
@@ -74,6 +75,8 @@ class EngineConfig:
     request's first token is held back until that long after its arrival. cache_secret: key of the
     namespace derivation (None: $FAIRSHARE_CACHE_SECRET, else random per process). cached_rate:
     fraction of the prompt-token rate charged per cached prompt token. See docs/cache-isolation.md.
+    fault_limit / fault_window_s: engine steps that raise this many times in a row within this many
+    seconds fail the engine (worker/faults.py; docs/reliability.md).
     """
 
     policy: str = "vtc"
@@ -110,6 +113,8 @@ class EngineConfig:
     public_prefixes: list = field(default_factory=list)
     ttft_floor_s: dict = field(default_factory=dict)
     cache_secret: bytes | None = None
+    fault_limit: int = DEFAULT_FAULT_LIMIT
+    fault_window_s: float = DEFAULT_FAULT_WINDOW_S
 
     def quota_config(self) -> KVQuotaConfig:
         return KVQuotaConfig(self.kv_quota, self.kv_watermark, self.kv_headroom, self.kv_shared_buffer,
@@ -148,6 +153,10 @@ class RequestOutput:
 
 
 OutputCallback = Callable[[RequestOutput], None]
+
+
+class EngineFailed(RuntimeError):
+    """The engine has failed (repeated step faults, worker/faults.py) and takes no more requests."""
 
 
 class Engine:
@@ -215,6 +224,10 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.idle_kv_blocks_used = 0
         self._held: dict[str, tuple[float, Sequence, str | None]] = {}  # TTFT floor: request id -> (until, seq, error)
+        # engine faults (worker/faults.py): a step that raises fails its batch; repeated ones fail the engine
+        self.faults = FaultWindow(self.config.fault_limit, self.config.fault_window_s)
+        self.on_failed: Callable[[str], None] | None = None  # called (engine thread) once, when it fails
+        self._recorded = False  # this step's charges went to the recorder
         self._grammars = None  # worker/engine/grammar.GrammarCompiler, built on first use
 
     def compile_grammar(self, kind: str, source: str = ""):
@@ -239,7 +252,9 @@ class Engine:
         (`worker.cache.namespace.derive_namespace`); `cache_namespace`, when given, replaces it
         (trusted in-process callers only, e.g. experiments; servers never pass client input there).
         Raises ValueError when it can never run (empty or too long prompt, bad sampling values,
-        token ids outside the vocabulary, duplicate id)."""
+        token ids outside the vocabulary, duplicate id), EngineFailed once the engine has failed."""
+        if self.faults.tripped:
+            raise EngineFailed(f"the engine has failed: {self.faults.reason}")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.runner.vocab_size
@@ -301,9 +316,14 @@ class Engine:
         while not self._stop.is_set():
             try:
                 worked = self.step()
-            except Exception:  # a bug must not kill the loop silently: fail the batch, keep serving
-                log.exception("engine step failed")
-                worked = True
+            except Exception as exc:  # raised before a batch was formed (step() fails its own batches)
+                log.exception("engine step failed before forming a batch")
+                with self._state_lock:
+                    self._note_fault(exc)
+                # a fault that repeats must not spin the loop: back off 10 ms, doubled per fault, at most 1 s
+                self._wake.wait(min(1.0, 0.01 * 2 ** min(self.faults.consecutive, 7)))
+                self._wake.clear()
+                continue
             if not worked:
                 wait = 0.05
                 if self._held:  # wake up in time to release a held first token (TTFT floor)
@@ -343,12 +363,19 @@ class Engine:
             seq.constraint = Constraint(seq.sampling.grammar)
 
     def step(self) -> bool:
-        """Run one iteration. Returns False when there was nothing to do."""
+        """Run one iteration. Returns False when there was nothing to do. A fault once the batch is
+        formed (building the forward items, the forward, sampling, committing) fails exactly that
+        batch's requests and counts one engine fault (`_fail_batch`); one raised before (scheduling)
+        propagates to the caller (the loop counts it too and backs off)."""
         item_class = self._item_class
         if item_class is None:
             from worker.engine.model_runner import ForwardItem as item_class
 
         with self._state_lock:
+            if self.faults.tripped:  # a failed engine runs nothing: whatever still arrives fails at once
+                self._drain_inbox()
+                self._fail_all(f"the engine has failed: {self.faults.reason}")
+                return False
             if self._held:
                 self._release_held()
             self._drain_inbox()
@@ -356,30 +383,69 @@ class Engine:
             chunks = self.scheduler.schedule()
             if not chunks:
                 return False
-            items = []
-            for c in chunks:
-                start = c.seq.num_computed_tokens
-                items.append(item_class(_token_slice(c.seq, start, c.num_tokens), start, list(c.seq.block_table)))
-        try:
-            logits = self.runner.forward(items)
-        except Exception as exc:
-            log.exception("model forward failed; failing %d requests", len(chunks))
+        self._recorded = False
+        try:  # from here on, a fault fails exactly this batch's requests
             with self._state_lock:
-                if self.recorder is not None:  # failed requests keep what they consumed: record it
-                    service: dict[str, float] = {}
-                    prefill: dict[str, int] = {}
-                    for c in chunks:
-                        if c.prefill_units:
-                            service[c.seq.tenant_id] = service.get(c.seq.tenant_id, 0.0) + c.prefill_units
-                            prefill[c.seq.tenant_id] = prefill.get(c.seq.tenant_id, 0) + c.prefill_tokens
-                            self.recorder.on_prefill_charge(c.seq.request_id, c.prefill_units)
-                    self.recorder.on_step(started, self.clock(), service, prefill, {})
+                items = []
                 for c in chunks:
-                    self._finish(c.seq, FinishReason.ABORT, error=f"model forward failed: {exc}")
+                    start = c.seq.num_computed_tokens
+                    items.append(item_class(_token_slice(c.seq, start, c.num_tokens), start, list(c.seq.block_table)))
+            logits = self.runner.forward(items)
+            with self._state_lock:
+                self._commit_step(chunks, logits, started)
+        except Exception as exc:
+            with self._state_lock:
+                self._fail_batch(chunks, started, exc)
             return True
-        with self._state_lock:
-            self._commit_step(chunks, logits, started)
+        self.faults.success()
         return True
+
+    # ---- engine faults (worker/faults.py) --------------------------------------------------------
+    def _fail_batch(self, chunks, started: float, exc: Exception) -> None:
+        """A step raised after forming its batch: fail exactly the batch's requests (their KV blocks
+        are freed; the service they consumed stays charged), count the fault, keep serving the rest."""
+        live = [c.seq for c in chunks if self.scheduler.by_id.get(c.seq.request_id) is c.seq]
+        log.error("engine step failed (%s: %s); failing the %d request(s) of its batch: %s", type(exc).__name__, exc,
+                  len(live), ", ".join(s.request_id for s in live[:8]) + (" ..." if len(live) > 8 else ""),
+                  exc_info=exc)
+        if self.recorder is not None and not self._recorded:  # failed requests keep what they consumed
+            service: dict[str, float] = {}
+            prefill: dict[str, int] = {}
+            for c in chunks:
+                if c.prefill_units:
+                    service[c.seq.tenant_id] = service.get(c.seq.tenant_id, 0.0) + c.prefill_units
+                    prefill[c.seq.tenant_id] = prefill.get(c.seq.tenant_id, 0) + c.prefill_tokens
+                    self.recorder.on_prefill_charge(c.seq.request_id, c.prefill_units)
+            self.recorder.on_step(started, self.clock(), service, prefill, {})
+        error = f"engine step failed: {type(exc).__name__}: {exc}"
+        for seq in live:
+            self._finish(seq, FinishReason.ABORT, error=error)
+        self._note_fault(exc)
+
+    def _note_fault(self, exc: Exception) -> None:
+        """Count one fault; when it trips the window, fail the engine (once)."""
+        if not self.faults.failure(f"{type(exc).__name__}: {exc}"):
+            return
+        reason = self.faults.reason
+        log.critical("engine failed: %s; failing every request and reporting NOT_SERVING", reason)
+        self._fail_all(f"the engine has failed: {reason}")
+        if self.on_failed is not None:
+            try:
+                self.on_failed(reason)
+            except Exception:
+                log.exception("engine failure callback failed")
+
+    def _fail_all(self, error: str) -> None:
+        for seq in list(self.scheduler.by_id.values()):
+            self._finish(seq, FinishReason.ABORT, error=error)
+        for request_id, (_, seq, held_error) in list(self._held.items()):  # finished, first token held back
+            del self._held[request_id]
+            self._emit(seq, final=True, error=held_error, release=True)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the engine has failed (repeated faults), or None while it serves."""
+        return self.faults.reason
 
     def _commit_step(self, chunks, logits, started: float) -> None:
         rows, seqs = [], []
@@ -404,6 +470,7 @@ class Engine:
                     service[t] = service.get(t, 0.0) + c.prefill_units
                     prefill[t] = prefill.get(t, 0) + c.prefill_tokens
                     rec.on_prefill_charge(seq.request_id, c.prefill_units)
+        self._recorded = True  # (a fault from here on must not record these charges again)
         if seqs:
             if self._returns_token_ids:
                 tokens = [logits[i] for i in rows]

@@ -20,7 +20,9 @@ ties break by tenant id and by queue position.
 
 from __future__ import annotations
 
+import heapq
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -94,6 +96,8 @@ class FairShareState:
         self.retractions: dict[str, int] = {}   # tenant -> requests retracted
         self.plan_refusals = 0                  # planned admissions SGLang did not carry out
         self._arrivals = 0
+        self._used_rids: dict[str, int] = {}   # rid -> expiry of the token it was verified with (replay)
+        self._token_expiries: list[tuple[int, str]] = []
         self._core: SchedulingCore | None = None
         self.scheduler = None                   # the SGLang Scheduler this state serves
         self._batch = None                      # the running batch of the pass being planned
@@ -208,7 +212,11 @@ class FairShareState:
         tag = getattr(req, TAG_ATTR, None)
         if tag is not None:
             return tag
-        tag = tenant_mod.verify(tenant_mod.custom_params_token(getattr(req, "sampling_params", None)), self.secret)
+        verified = tenant_mod.verify(tenant_mod.custom_params_token(getattr(req, "sampling_params", None)),
+                                     self.secret, rid=str(getattr(req, "rid", "")))
+        tag = None
+        if verified is not None and self._first_use(str(req.rid), verified[1]):
+            tag = verified[0]
         current = getattr(req, "extra_key", None) or ""
         if tag is not None:
             expected = (tenant_mod.extra_key_for(tag.tenant_id, getattr(req, "cache_salt", None), self.secret)
@@ -221,6 +229,21 @@ class FairShareState:
                 req.extra_key = tenant_mod.UNVERIFIED_PREFIX + current
         setattr(req, TAG_ATTR, tag)
         return tag
+
+    def _first_use(self, rid: str, expiry: int) -> bool:
+        """Whether this is the first request object carrying a valid token for `rid` (remembered
+        until the token's expiry): a second one is a replay."""
+        now = time.time()
+        while self._token_expiries and self._token_expiries[0][0] < now:
+            exp, old = heapq.heappop(self._token_expiries)
+            if self._used_rids.get(old) == exp:
+                del self._used_rids[old]
+        if rid in self._used_rids:
+            log.warning("fairshare: the tenant token of request %s was already used; accounting it as unverified", rid)
+            return False
+        self._used_rids[rid] = expiry
+        heapq.heappush(self._token_expiries, (expiry, rid))
+        return True
 
     # ---- events -----------------------------------------------------------------------------
     def on_arrival(self, req, is_retracted: bool = False) -> None:

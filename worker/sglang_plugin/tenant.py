@@ -6,9 +6,14 @@ consumer) both use it.
 Where each piece travels (SGLang 0.5.23 `GenerateReqInput` → `Req`):
 
 - **Identity** (tenant id, weight, tier): `sampling_params["custom_params"]["fairshare_tenant"]`,
-  a token `v2.<payload>.<mac>`: payload = base64url(JSON [tenant_id, weight, tier]), mac =
-  HMAC-SHA256 over `v2.<payload>` with a server secret (`FAIRSHARE_SGLANG_SECRET`, hex), first 32
-  hex digits. `custom_params` is SGLang's own per-request dict for scheduler-side extensions (it
+  a token `v3.<payload>.<mac>`: payload = base64url(JSON [tenant_id, weight, tier, rid, expiry]),
+  mac = HMAC-SHA256 over `v3.<payload>` with a server secret (`FAIRSHARE_SGLANG_SECRET`, hex), first
+  32 hex digits. The token is bound to the SGLang request id (`rid`) and expires (`expiry`, Unix
+  seconds: `INTERNAL_TTL_S` after signing); the plugin accepts it only on the request with that rid,
+  before its expiry, and once: a second request object carrying the same rid within the validity
+  is a replay, accounted as unverified (`FairShareState.tag_of`). So a token captured from one
+  request (e.g. by a client of SGLang's own HTTP API that can set `custom_params`) can neither be
+  moved to another request nor sent again. `custom_params` is SGLang's own per-request dict for scheduler-side extensions (it
   carries SGLang's reasoning delimiters the same way), survives its tokenizer → scheduler IPC
   unchanged, and does not enter the radix key, so a weight or tier change does not invalidate a
   tenant's cache.
@@ -46,6 +51,7 @@ import hmac
 import json
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -58,7 +64,8 @@ SECRET_ENV = "FAIRSHARE_SGLANG_SECRET"
 NAMESPACE_PREFIX = "fs|"
 UNVERIFIED_PREFIX = "fsu|"
 UNVERIFIED_TENANT = "_unverified"
-_VERSION = "v2"
+_VERSION = "v3"
+INTERNAL_TTL_S = 300.0  # seconds; it only has to cover the hop from the servicer to the scheduler
 _MAC_HEX = 32
 _CACHE_KEY_LABEL = b"fairshare sglang cache-namespace secret v1"
 
@@ -128,25 +135,32 @@ def _mac(secret: str, message: str) -> str:
     return hmac.new(secret.encode(), message.encode(), hashlib.sha256).hexdigest()[:_MAC_HEX]
 
 
-def sign(tenant_id: str, weight: float, tier: str, secret: str) -> str:
-    """The token for a request of `tenant_id` (see the module docstring).
+def sign(tenant_id: str, weight: float, tier: str, secret: str, *, rid: str, ttl_s: float = INTERNAL_TTL_S,
+         now: float | None = None) -> str:
+    """The token for SGLang request `rid` of `tenant_id`, valid `ttl_s` seconds from `now` (Unix
+    time; default the current time). See the module docstring.
 
-    Raises ValueError for an empty tenant id, a non-positive weight or an unknown tier.
+    Raises ValueError for an empty tenant id or rid, a non-positive weight or an unknown tier.
     """
+    if not rid:
+        raise ValueError("rid is required")
     if not tenant_id:
         raise ValueError("tenant_id is required")
     if not weight > 0:
         raise ValueError(f"tenant weight must be > 0, got {weight}")
     if tier not in TIERS:
         raise ValueError(f"unknown tier {tier!r}")
-    body = json.dumps([tenant_id, float(weight), tier], separators=(",", ":"))
+    expiry = int((time.time() if now is None else now) + ttl_s)
+    body = json.dumps([tenant_id, float(weight), tier, rid, expiry], separators=(",", ":"))
     payload = base64.urlsafe_b64encode(body.encode()).decode().rstrip("=")
     message = f"{_VERSION}.{payload}"
     return f"{message}.{_mac(secret, message)}"
 
 
-def verify(token: object, secret: str | None) -> TenantTag | None:
-    """The tag a valid token carries, or None (no secret, malformed token, bad MAC, bad fields)."""
+def verify(token: object, secret: str | None, *, rid: str, now: float | None = None) -> tuple[TenantTag, int] | None:
+    """(the tag, the expiry in Unix seconds) of a valid token for request `rid`, or None (no secret,
+    malformed token, bad MAC, bad fields, another request's token, expired at `now`: Unix time,
+    default the current time). Replay (the same rid twice) is the caller's to refuse."""
     if not secret or not isinstance(token, str):
         return None
     parts = token.split(".")
@@ -157,13 +171,15 @@ def verify(token: object, secret: str | None) -> TenantTag | None:
         return None
     try:
         raw = base64.urlsafe_b64decode(parts[1] + "=" * (-len(parts[1]) % 4))
-        tenant_id, weight, tier = json.loads(raw)
+        tenant_id, weight, tier, bound_rid, expiry = json.loads(raw)
     except (ValueError, TypeError):
         return None
     if not (isinstance(tenant_id, str) and tenant_id and isinstance(weight, (int, float)) and weight > 0
-            and tier in TIERS):
+            and tier in TIERS and isinstance(expiry, int)):
         return None
-    return TenantTag(tenant_id, float(weight), tier, verified=True)
+    if bound_rid != rid or (time.time() if now is None else now) > expiry:
+        return None
+    return TenantTag(tenant_id, float(weight), tier, verified=True), expiry
 
 
 def unverified_tag() -> TenantTag:

@@ -122,6 +122,21 @@ else a new random one. */}}
 {{- end -}}
 {{- end -}}
 
+{{/* The worker-auth keys: the value given, else the ones already stored in the release's Secret,
+else one new random key. */}}
+{{- define "fairshare.workerKeys" -}}
+{{- if .Values.secrets.workerKeys -}}
+{{- .Values.secrets.workerKeys | trim -}}
+{{- else -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (include "fairshare.secretName" .) -}}
+{{- if and $existing $existing.data (hasKey $existing.data "worker-keys") -}}
+{{- index $existing.data "worker-keys" | b64dec -}}
+{{- else -}}
+{{- printf "k1:%s" (randAlphaNum 64) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Checks that the schema cannot express. */}}
 {{- define "fairshare.validate" -}}
 {{- if and (not .Values.redis.enabled) (not .Values.redis.external.url) (not .Values.redis.external.existingSecret.name) -}}
