@@ -18,6 +18,7 @@ import grpc
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from tests.conftest import start_worker, stop_worker
 from tests.support import waits
+from tests.support.auth import signed_channel
 
 TIER = {"interactive": worker_pb2.TIER_INTERACTIVE, "batch": worker_pb2.TIER_BATCH,
         "background": worker_pb2.TIER_BACKGROUND}
@@ -95,7 +96,8 @@ class Stream:
 
 
 def stub_for(addr: str):
-    return worker_pb2_grpc.WorkerStub(grpc.insecure_channel(addr))
+    """A stub whose Generate/Abort calls are signed as the gateway signs them (worker authentication)."""
+    return worker_pb2_grpc.WorkerStub(signed_channel(addr))
 
 
 def load(stub):

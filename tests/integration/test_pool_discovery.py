@@ -22,6 +22,7 @@ import pytest
 from fairshare.procs import free_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.auth import signed_channel
 from tests.conftest import start_worker, stop_worker
 from tests.support.control_client import WorkerControl
 from tests.reliability.conftest import MODEL, GatewayProcess, get_load, tenant_load, wait_until
@@ -108,7 +109,7 @@ def held_open_stream(addr: str, control: WorkerControl) -> tuple[grpc.Channel, o
     worker's test control stalls it after its first message, so the worker has a request in flight
     (and a SIGTERM drain waits on it) however fast the engine runs."""
     control.inject("stall_after", tenant=HOLDER, after=1)
-    ch = grpc.insecure_channel(addr)
+    ch = signed_channel(addr)  # Generate is signed as the gateway signs it (worker authentication)
     req = pb.GenerateRequest(request_id="hold-open", tenant=pb.Tenant(id=HOLDER, weight=1.0),
                              prompt_token_ids=list(range(5, 25)),
                              sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True, temperature=0))
