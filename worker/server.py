@@ -348,8 +348,11 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     """
     import signal
 
+    # so_reuseport off: a port another process already listens on fails the bind (OSError below)
+    # instead of silently sharing its connections with that process
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
-                                      ("grpc.max_receive_message_length", 64 * 2**20)])
+                                      ("grpc.max_receive_message_length", 64 * 2**20),
+                                      ("grpc.so_reuseport", 0)])
     servicer = WorkerServicer(engine, model_name, metrics=WorkerMetrics(engine, max_tenants=metrics_max_tenants),
                               tracer_provider=tracer_provider, verifier=verifier, worker_id=worker_id, pool=pool)
     if configure is not None:
@@ -357,7 +360,10 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc raises when the address is taken
+        bound = 0
     if not bound:
         raise OSError(f"cannot bind {host}:{port}")
     if metrics_port:

@@ -571,12 +571,18 @@ async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_time
 
     tm = servicer.engine.tokenizer_manager
     tm.auto_create_handle_loop()  # SGLang's loop task (and its SIGQUIT handler), before our signals
+    # so_reuseport off: a port another process already listens on fails the bind (OSError below)
+    # instead of silently sharing its connections with that process
     server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
-                                      ("grpc.max_receive_message_length", 64 * 2**20)])
+                                      ("grpc.max_receive_message_length", 64 * 2**20),
+                                      ("grpc.so_reuseport", 0)])
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc raises when the address is taken
+        bound = 0
     if not bound:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()

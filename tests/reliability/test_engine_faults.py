@@ -148,8 +148,10 @@ def test_five_faults_in_a_row_fail_the_worker_and_the_gateway_routes_around_it(w
     proc, a_addr = start_worker("--threads", "1", "--engine-failure-exit-s", "0", "--metrics-port", str(mport),
                                 log_path=tmp_path / "worker-a.log")
     ca = WorkerControl(a_addr)
+    # least-loaded routing gives idle workers turns, so A gets requests by construction (the default,
+    # fair, keeps the tenant's prompt on one worker: B, on some port pairs)
     gw = InProcessGateway(tmp_path / "gw", TENANTS, [a_addr, worker_addr], redis_url,
-                          health_interval_s=0.2).wait_ready()
+                          health_interval_s=0.2, routing="least-loaded").wait_ready()
     client = gw.client("ff")
 
     def one_request() -> bool:
