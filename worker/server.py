@@ -67,6 +67,7 @@ from fairshare.wire import INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
 from fairshare.wire import TIER_NAMES as _TIER_NAMES
 from worker.engine.engine import Engine, EngineFailed, RequestOutput
 from worker.faults import EXIT_ENGINE_FAILED
+from worker import grpc_server
 from worker.engine.sequence import FinishReason, SamplingParams
 from worker.metrics import WorkerMetrics
 from worker.tracing import RequestTrace, worker_tracer
@@ -348,11 +349,7 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     """
     import signal
 
-    # so_reuseport off: a port another process already listens on fails the bind (OSError below)
-    # instead of silently sharing its connections with that process
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
-                                      ("grpc.max_receive_message_length", 64 * 2**20),
-                                      ("grpc.so_reuseport", 0)])
+    server = grpc_server.new_server()
     servicer = WorkerServicer(engine, model_name, metrics=WorkerMetrics(engine, max_tenants=metrics_max_tenants),
                               tracer_provider=tracer_provider, verifier=verifier, worker_id=worker_id, pool=pool)
     if configure is not None:
@@ -360,12 +357,7 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:  # grpc raises when the address is taken
-        bound = 0
-    if not bound:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = grpc_server.bind(server, host, port)
     if metrics_port:
         bound_metrics = servicer.metrics.serve(metrics_host or host, metrics_port)
         log.info("worker metrics on http://%s:%d/metrics", metrics_host or host, bound_metrics)

@@ -69,6 +69,7 @@ from fairshare.wire import INVALID_METADATA_KEY
 from fairshare.wire import SERVICE_NAME
 from fairshare.wire import TIER_ENUMS as _TIER_ENUMS
 from fairshare.wire import TIER_NAMES as _TIER_NAMES
+from worker import grpc_server
 from worker.faults import FaultWindow
 from worker.cli import add_served_name_arguments, served_names
 from worker.sglang_plugin import tenant as tenant_mod
@@ -571,20 +572,11 @@ async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_time
 
     tm = servicer.engine.tokenizer_manager
     tm.auto_create_handle_loop()  # SGLang's loop task (and its SIGQUIT handler), before our signals
-    # so_reuseport off: a port another process already listens on fails the bind (OSError below)
-    # instead of silently sharing its connections with that process
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * 2**20),
-                                      ("grpc.max_receive_message_length", 64 * 2**20),
-                                      ("grpc.so_reuseport", 0)])
+    server = grpc_server.new_server()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    try:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError:  # grpc raises when the address is taken
-        bound = 0
-    if not bound:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = grpc_server.bind(server, host, port)
     await server.start()
     for svc in ("", SERVICE_NAME):
         await health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)

@@ -1,0 +1,32 @@
+"""The gRPC server both workers (reference `worker/server.py`, SGLang `worker/sglang_server.py`) start.
+
+One home for the server's options and its bind, so the two bootstraps cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+# Messages up to 64 MiB (ModelInfo carries the tokenizer). so_reuseport off: a port another process
+# already listens on fails the bind instead of silently sharing its connections with that process.
+SERVER_OPTIONS = (("grpc.max_send_message_length", 64 * 2**20),
+                  ("grpc.max_receive_message_length", 64 * 2**20),
+                  ("grpc.so_reuseport", 0))
+
+
+def new_server() -> grpc.aio.Server:
+    """A grpc.aio server with SERVER_OPTIONS (no services added, not bound)."""
+    return grpc.aio.server(options=list(SERVER_OPTIONS))
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind `server` to host:port (port 0: any free port); return the bound port.
+
+    Raises OSError("cannot bind host:port") when the address is taken or cannot be bound."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc raises when the address is taken
+        bound = 0
+    if not bound:
+        raise OSError(f"cannot bind {host}:{port}")
+    return bound
