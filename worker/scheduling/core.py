@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from worker.scheduling.cost import CostFunction
-from worker.scheduling.decode_share import plan_iteration
+from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET, plan_iteration
 from worker.scheduling.eligibility import EligibilityGate
 from worker.scheduling.ledger import KVLedger
 from worker.scheduling.policy import TIERS, SchedulingPolicy, TenantAccount
@@ -177,9 +177,12 @@ class SchedulingCore:
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, executor: Executor, *, total_blocks: int,
                  max_running: int, chunk_tokens: int = 512, prefill_slice: int = 16, max_skips: int = 8,
                  quota: KVQuota | None = None, returning: bool = True, tiers: TierShares | None = None,
-                 iteration_token_target: int | None = None) -> None:
-        if chunk_tokens < 1 or prefill_slice < 1 or (iteration_token_target is not None and iteration_token_target < 1):
-            raise ValueError("chunk_tokens, prefill_slice and iteration_token_target must be >= 1")
+                 iteration_token_target: int | None = None,
+                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
+        if chunk_tokens < 1 or prefill_slice < 1 or any(
+                t is not None and t < 1 for t in (iteration_token_target, lower_tier_token_target)):
+            raise ValueError("chunk_tokens, prefill_slice, iteration_token_target and lower_tier_token_target "
+                             "must be >= 1")
         self.policy = policy
         self.cost = cost
         self.executor = executor
@@ -191,6 +194,7 @@ class SchedulingCore:
         self.chunk_tokens = chunk_tokens
         self.prefill_slice = prefill_slice
         self.iteration_token_target = iteration_token_target or chunk_tokens
+        self.lower_tier_token_target = lower_tier_token_target
         self._tier_prefill_cap: dict[str, int] | None = None
         self._partial_heaps: dict[str, list] | None = None
         self._sticky: TenantState | None = None
@@ -395,10 +399,11 @@ class SchedulingCore:
 
     def prefill_demand(self, tier: str, limit: int) -> int:
         """Prefill tokens the tier's tenants have pending (running partial prefills and waiting
-        requests), counted up to `limit`."""
+        requests), counted up to `limit` (the result, min(pending, limit), does not depend on the
+        order the tenants are visited in)."""
         total = 0
         left = self.executor.prefill_left
-        for tid in sorted(self._pending[tier]):
+        for tid in self._pending[tier]:
             ts = self.tenants[tid]
             for e in ts.partials:
                 if e.running:
