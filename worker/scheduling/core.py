@@ -197,6 +197,7 @@ class SchedulingCore:
         self.lower_tier_token_target = lower_tier_token_target
         self._tier_prefill_cap: dict[str, int] | None = None
         self._partial_heaps: dict[str, list] | None = None
+        self._partial_tenants: set[str] = set()      # tenants that may have a running partial prefill
         self._sticky: TenantState | None = None
         self.tenants: dict[str, TenantState] = {}
         self.entries: dict[str, Entry] = {}
@@ -466,17 +467,26 @@ class SchedulingCore:
 
     def _sticky_head(self, ts: TenantState) -> Entry | None:
         """`ts`'s servable head if `ts` is still first in its tier's heap (else None)."""
-        key = self._key(ts)
-        if self._no_slot():
+        head = self._head(ts)
+        if head is None:
+            return None
+        key = self.policy.key(ts.tenant_id, head.arrival)
+        no_slot = self._no_slot()
+        if no_slot:
             top = self._top(self._partial_heap(ts.sched_tier), partial=True)
         else:
             top = self._top(self._heaps[ts.sched_tier], partial=False)
         if top is not None and top < key:
             return None
-        head = self._head(ts)
-        if head is None or (not head.running and self._no_slot()):
+        if head.running:
+            if self.executor.prefill_room(head.handle, self._alloc.get(head.request_id, 0)) > 0:
+                return head
+        elif no_slot and ts.tenant_id not in self._slot_holders():
             return None
-        return self._servable_head(ts)
+        elif self.admissible(head):
+            return head
+        self._out.add(ts.tenant_id)
+        return None
 
     def _top(self, heap: list, partial: bool):
         """The smallest valid key in `heap` (fixing stale entries on the way), or None."""
@@ -549,6 +559,7 @@ class SchedulingCore:
         self.running[e.request_id] = e
         ts.running[e.request_id] = e
         ts.partials.appendleft(e)
+        self._partial_tenants.add(ts.tenant_id)
         self._running_by_tier[ts.tier] += 1
         if self.gate.holds(e.request_id):
             e.protected = True
@@ -677,10 +688,16 @@ class SchedulingCore:
         return None
 
     def _no_slot(self) -> bool:
-        """No waiting request can be admitted this round: every running slot is taken and none is
-        held (only running partial prefills can be served then)."""
+        """No running slot is free for a waiting request without a hold: every slot is taken or
+        held (only running partial prefills, and the heads of tenants room is held for, can be
+        served then)."""
         led = self.ledger
-        return led.running >= led.max_running and not any(h.slots > 0 for h in led.holds)
+        return led.running + sum(h.slots for h in led.holds if h.slots > 0) >= led.max_running
+
+    def _slot_holders(self) -> set[str]:
+        """Tenants a running slot is held for this iteration (their heads may take one even when
+        `_no_slot`)."""
+        return {h.tenant_id for h in self.ledger.holds if h.slots > 0}
 
     def _partial_heap(self, tier: str) -> list:
         """The heap of tenants of `tier` with a running partial prefill, built once per round from
@@ -690,11 +707,23 @@ class SchedulingCore:
             left, alloc, seen = self.executor.prefill_left, self._alloc, set(self._out)
             if self._sticky is not None:
                 seen.add(self._sticky.tenant_id)
-            for e in self.running.values():
-                ts = e.tenant
-                if ts.tenant_id not in seen and left(e.handle) - alloc.get(e.request_id, 0) > 0:
-                    seen.add(ts.tenant_id)
-                    heaps[ts.sched_tier].append((self._key(ts), ts.tenant_id))
+            # the tenants admitted with prefill to do (`admit` adds them), not the whole running set
+            for tid in list(self._partial_tenants):
+                ts = self.tenants.get(tid)
+                if ts is not None and ts.partials:
+                    live = [e for e in ts.partials if e.running and left(e.handle) > 0]  # done ones for good
+                    if len(live) != len(ts.partials):
+                        ts.partials = deque(live)
+                if ts is None or not ts.partials:
+                    self._partial_tenants.discard(tid)
+                    continue
+                if tid not in seen and any(left(e.handle) - alloc.get(e.request_id, 0) > 0 for e in ts.partials):
+                    seen.add(tid)
+                    heaps[ts.sched_tier].append((self._key(ts), tid))
+            for tid in sorted(self._slot_holders() - seen):
+                ts = self.tenants.get(tid)
+                if ts is not None and ts.waiting:
+                    heaps[ts.sched_tier].append((self._key(ts), tid))
             for h in heaps.values():
                 heapq.heapify(h)
             self._partial_heaps = heaps
@@ -716,8 +745,14 @@ class SchedulingCore:
                     heapq.heappush(heap, (current, tid))
                     continue
             head = self._head(ts)
-            if head is None or not head.running:
-                continue  # no partial prefill left: its waiting head needs a slot, and there is none
+            if head is None:
+                continue
+            if not head.running:
+                # no partial prefill left: its waiting head needs a slot, held for it or none
+                if tid in self._slot_holders() and self.admissible(head):
+                    return head
+                self._out.add(tid)
+                continue
             if self.executor.prefill_room(head.handle, self._alloc.get(head.request_id, 0)) > 0:
                 return head
             self._out.add(tid)
