@@ -198,6 +198,7 @@ class SchedulingCore:
         self._tier_prefill_cap: dict[str, int] | None = None
         self._partial_heaps: dict[str, list] | None = None
         self._partial_tenants: set[str] = set()      # tenants that may have a running partial prefill
+        self._no_slot_now: bool | None = None         # `_no_slot`, until a slot or a hold changes
         self._sticky: TenantState | None = None
         self.tenants: dict[str, TenantState] = {}
         self.entries: dict[str, Entry] = {}
@@ -211,6 +212,7 @@ class SchedulingCore:
         self._dirty: set[str] = set()
         self._keyed = type(policy).key is not SchedulingPolicy.key  # VTC, FCFS: heaps; DRR: asked
         self._lazy = self._keyed and policy.key_rises_with_charges
+        self._key_uses_arrival = policy.key_uses_arrival
         self._backlogged_by_tier = {t: 0 for t in TIERS}
         self._running_by_tier = {t: 0 for t in TIERS}
         # per prefill round
@@ -287,6 +289,7 @@ class SchedulingCore:
         self.executor.preempt(e.handle)
         self._leave_running(e)
         self.ledger.on_release(blocks, promise)
+        self._no_slot_now = None
         self.ledger.free = self.executor.free_blocks()
         e.protected = e.for_share = False
         e.preemptions += 1
@@ -299,6 +302,7 @@ class SchedulingCore:
         self._dirty.add(ts.tenant_id)
 
     def _leave_running(self, e: Entry) -> None:
+        self._no_slot_now = None
         ts = e.tenant
         del self.running[e.request_id]
         del ts.running[e.request_id]
@@ -389,6 +393,7 @@ class SchedulingCore:
         self.room.for_higher_tiers()
         if self.returning is not None:
             self.room.for_returning()
+        self._no_slot_now = None
 
     # ---- the iteration's tokens: decodes, then prefill -----------------------------------------------
     def plan_iteration(self, decoding: list[Entry], budget: int) -> tuple[list[Entry], int | None]:
@@ -436,6 +441,7 @@ class SchedulingCore:
         self._dead = set()
         self._unfit = {}
         self.ledger.sync(free_blocks, promised_blocks, len(self.running))
+        self._no_slot_now = None
         self._refresh()
 
     def next_prefill(self) -> Entry | None:
@@ -551,6 +557,7 @@ class SchedulingCore:
             if tid != ts.tenant_id and self._skips_for(tid, ts):
                 self.gate.on_skip(tid, rid, need, self.iteration)
         self.ledger.on_admit(ts.tenant_id, e.request_id, e.need)
+        self._no_slot_now = None
         ts.waiting.popleft()
         self._waiting -= 1
         e.running = True
@@ -626,6 +633,8 @@ class SchedulingCore:
         return ts.waiting[0] if ts.waiting else None
 
     def _key(self, ts: TenantState) -> tuple:
+        if not self._key_uses_arrival:
+            return self.policy.key(ts.tenant_id, 0.0)
         head = self._head(ts)
         return self.policy.key(ts.tenant_id, head.arrival if head is not None else 0.0)
 
@@ -691,8 +700,14 @@ class SchedulingCore:
         """No running slot is free for a waiting request without a hold: every slot is taken or
         held (only running partial prefills, and the heads of tenants room is held for, can be
         served then)."""
-        led = self.ledger
-        return led.running + sum(h.slots for h in led.holds if h.slots > 0) >= led.max_running
+        if self._no_slot_now is None:
+            led = self.ledger
+            held = 0
+            for h in led.holds:
+                if h.slots > 0:
+                    held += h.slots
+            self._no_slot_now = led.running + held >= led.max_running
+        return self._no_slot_now
 
     def _slot_holders(self) -> set[str]:
         """Tenants a running slot is held for this iteration (their heads may take one even when

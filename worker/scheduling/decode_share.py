@@ -123,20 +123,22 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
     cap = core.iteration_token_target
     low_cap = core.lower_tier_token_target
     core._tier_prefill_cap = None
-    tenants = {e.tenant_id for e in decoding}
-    contended = len(tenants) > 1 or any(
-        t not in tenants for tier in TIERS for t in core._pending[tier]) if cap < budget else False
-    # a higher tier's iteration: work of two or more tiers (never when tier-blind: one tier)
-    tiered = low_cap is not None and low_cap < budget and len(
-        {e.tenant.sched_tier for e in decoding}.union(t for t in TIERS if core._pending[t])) > 1
+    contended = tiered = False
+    if cap < budget:
+        tenants = {e.tenant_id for e in decoding}
+        contended = len(tenants) > 1 or any(t not in tenants for tier in TIERS for t in core._pending[tier])
+    per_tier: dict[str, list] = {t: [] for t in TIERS}
+    if low_cap is not None and low_cap < budget or contended:
+        for e in decoding:
+            per_tier[e.tenant.sched_tier].append(e)
+        # a higher tier's iteration: work of two or more tiers (never when tier-blind: one tier)
+        tiered = low_cap is not None and low_cap < budget and sum(
+            1 for t in TIERS if per_tier[t] or core._pending[t]) > 1
     if not contended and not tiered:
         for e in decoding:
             e.last_decode = core.iteration
         return decoding, None
-    by_tier: dict[str, dict[str, list]] = {t: {} for t in TIERS}
-    for e in decoding:
-        by_tier[e.tenant.sched_tier].setdefault(e.tenant_id, []).append(e)
-    demand = {t: sum(map(len, by_tier[t].values())) for t in TIERS}
+    demand = {t: len(per_tier[t]) for t in TIERS}
     prefill = {t: core.prefill_demand(t, budget) for t in TIERS}
     # the top tier with work keeps all of its prefill (an interactive prompt is not held back);
     # the decodes and every other tier's prefill share the target
@@ -161,11 +163,12 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
         n = tokens.get(tier, 0)
         d = min(demand[tier], n)
         caps[tier] = prefill[tier] if tier == top else max(0, min(prefill[tier], n - d))
-        tenant_entries = by_tier[tier]
         if d >= demand[tier]:  # every decode of the tier runs
-            for entries in tenant_entries.values():
-                chosen.update(map(id, entries))
+            chosen.update(map(id, per_tier[tier]))
             continue
+        tenant_entries: dict[str, list] = {}
+        for e in per_tier[tier]:
+            tenant_entries.setdefault(e.tenant_id, []).append(e)
         slots = water_fill({t: len(v) for t, v in tenant_entries.items()},
                            {t: core.tenants[t].weight for t in tenant_entries}, d)
         for t, entries in tenant_entries.items():

@@ -250,6 +250,9 @@ class SchedulingPolicy:
     # reaches the top of its heap, instead of at every charge). Lifts, refunds and head changes are
     # announced through `subscribe` and re-keyed at once.
     key_rises_with_charges = False
+    # Whether `key` reads `head_arrival` (FCFS); a policy whose key does not (VTC: the counter)
+    # saves the core from finding the tenant's head each time it re-keys the tenant.
+    key_uses_arrival = True
 
     def key(self, tenant_id: str, head_arrival: float) -> tuple | None:
         """A sort key that ranks this tenant among candidates of its tier (smallest first), or None
@@ -296,6 +299,7 @@ class VTCPolicy(SchedulingPolicy):
 
     name = "vtc"
     key_rises_with_charges = True  # Δc / w >= 0 (VTC-pred: only what exceeds the prediction)
+    key_uses_arrival = False       # (virtual counter, tenant id)
 
     def __init__(self, cost: CostFunction | None = None) -> None:
         super().__init__(cost)
