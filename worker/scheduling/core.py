@@ -809,6 +809,33 @@ class SchedulingCore:
             for tid in self.policy.order([ts.tenant_id for ts in tenants], arrival):
                 yield from list(self.tenants[tid].waiting)
 
+    def first_waiting_head(self, tier: str) -> Entry | None:
+        """The first of `projected_heads(tier)` (the waiting head the core would admit first in
+        the tier, memory aside), or None. For VTC-like policies it is read off the tier's candidate
+        heap (the smallest counter among tenants with a waiting request: the few entries popped on
+        the way, partial-only tenants and stale entries, are put back or dropped), not by keying
+        every tenant of the tier."""
+        if not (self._lazy and not self._key_uses_arrival) or self._dirty:
+            return next(self.projected_heads(tier), None)
+        heap, kept, found = self._heaps[tier], [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            key, ver, tid = entry
+            ts = self.tenants[tid]
+            if ver != ts.ver:
+                continue  # stale for good
+            current = self._key(ts)
+            if current > key:
+                heapq.heappush(heap, (current, ver, tid))
+                continue
+            kept.append(entry)
+            if ts.waiting:
+                found = ts.waiting[0]
+                break
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        return found
+
     def _key_with(self, ts: TenantState, k: int, ahead_units: float) -> tuple:
         key = self.policy.key(ts.tenant_id, ts.waiting[k].arrival)
         if self.policy.name.startswith("vtc"):

@@ -219,7 +219,7 @@ class RoomMaker:
         owed = core.tiers.owed_tiers()
         if not owed:
             return
-        head = next(core.projected_heads(owed[0]), None)
+        head = core.first_waiting_head(owed[0])
         if head is None:
             return  # its work is running prefills: the round serves them first
         need = core.executor.admission_need(head.handle)
