@@ -64,8 +64,8 @@ class EngineConfig:
     of service (missing tiers: 5 %). iteration_token_target: tokens per contended iteration beyond
     which they are shared by tier and weight (None: the token budget, so nothing changes;
     worker/scheduling/decode_share.py). lower_tier_token_target: tokens per iteration the lower
-    tiers together may take while a higher tier has work, unless owed their minimum share (None:
-    no limit; default 4, docs/fairness.md "Tiers").
+    tiers together may take while a higher tier has work, unless owed their minimum share (None or
+    0: no limit; default 4, docs/fairness.md "Tiers").
     kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
     fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
     admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
@@ -213,7 +213,7 @@ class Engine:
                                    clock=self.clock, quota=self.quota,
                                    returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
                                    tiers=self.tiers, iteration_token_target=cfg.iteration_token_target,
-                                   lower_tier_token_target=cfg.lower_tier_token_target)
+                                   lower_tier_token_target=cfg.lower_tier_token_target or None)
         self.pool = PoolCounters()  # pool-wide counters; inert until another worker's report arrives
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
