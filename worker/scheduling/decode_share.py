@@ -22,7 +22,19 @@ contended then is the iteration itself (its time grows with its tokens). The con
   within a tier goes by the fairness policy, as always.
 
 The weight-3 tenant of the example above then gets 3 decode tokens per iteration for every one of the
-weight-1 tenant's, and the interactive tier's iterations stay short. The price is throughput: a
+weight-1 tenant's, and the interactive tier's iterations stay short.
+
+The tier rule, on by default (`lower_tier_token_target` L, EngineConfig / `--lower-tier-token-target`,
+default 4): strict priority covers the iteration's time too. While a higher tier has work (decodes
+or pending prefill), or had some in the last `tier_grace_iterations` (64) iterations, the tiers below
+it together take at most L tokens of the iteration (decodes first, then prefill, in tier order),
+except a tier owed its minimum share, which is served as if no limit were set (its share comes first,
+so the minimum-share guarantee of `worker.scheduling.tiers` is untouched). The higher tier keeps all
+of its decodes and prefill. Without it an interactive request's first token waits for the iteration
+in flight and then its own, both swollen by a background flood's 60-odd decodes (4.8x its solo TTFT
+p99 in the simulator's `tiers` workload); the grace keeps an interactive arrival after a short idle
+spell from meeting such an iteration. Its price is the lower tiers' throughput while a higher tier
+is active (docs/fairness.md, "Tiers", with figures). The price is throughput: a
 contended iteration is held at T tokens instead of every runnable one, and the skipped requests keep
 their KV blocks while they wait (figures in docs/fairness.md).
 
@@ -37,6 +49,8 @@ from typing import Mapping
 from worker.scheduling.policy import TIERS
 
 DEFAULT_LOWER_TIER_TOKEN_TARGET = 4
+DEFAULT_TIER_GRACE_ITERATIONS = 64
+RANK = {name: i for i, name in enumerate(TIERS)}
 
 
 def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity: int) -> dict[str, int]:
@@ -131,9 +145,16 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
     if low_cap is not None and low_cap < budget or contended:
         for e in decoding:
             per_tier[e.tenant.sched_tier].append(e)
-        # a higher tier's iteration: work of two or more tiers (never when tier-blind: one tier)
-        tiered = low_cap is not None and low_cap < budget and sum(
-            1 for t in TIERS if per_tier[t] or core._pending[t]) > 1
+        if low_cap is not None and low_cap < budget:
+            # a higher tier's iteration: lower-tier work while a higher tier has work now or had
+            # some in the last `tier_grace_iterations` (so that its next arrival does not find an
+            # iteration swollen by the lower tiers in flight); never when tier-blind (one tier)
+            last, now = core._tier_last_work, core.iteration
+            working = [t for t in TIERS if per_tier[t] or core._pending[t]]
+            for t in working:
+                last[t] = now
+            lead = next((t for t in TIERS if t in last and now - last[t] <= core.tier_grace_iterations), None)
+            tiered = lead is not None and bool(working) and RANK[working[-1]] > RANK[lead]
     if not contended and not tiered:
         for e in decoding:
             e.last_decode = core.iteration
@@ -142,11 +163,11 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
     prefill = {t: core.prefill_demand(t, budget) for t in TIERS}
     # the top tier with work keeps all of its prefill (an interactive prompt is not held back);
     # the decodes and every other tier's prefill share the target
-    top = next((t for t in TIERS if demand[t] or prefill[t]), TIERS[0])
+    top = lead if tiered else next((t for t in TIERS if demand[t] or prefill[t]), TIERS[0])
     work = {t: demand[t] + (prefill[t] if t != top else 0) for t in TIERS}
     # lower tiers held to the lower-tier target: those below the top tier with work and not owed
     # their minimum share (an owed tier is served as if no target were set: its share comes first)
-    held = [t for t in TIERS if tiered and t != top and work[t] and not core.tiers.owed(t)]
+    held = [t for t in TIERS if tiered and RANK[t] > RANK[top] and work[t] and not core.tiers.owed(t)]
     over_cap = contended and sum(work.values()) > cap
     over_low = bool(held) and sum(work[t] for t in held) > low_cap
     if not over_cap and not over_low:
