@@ -1,6 +1,17 @@
-"""Shared helper for tests that drive the real Scheduler without a model."""
+"""Shared helpers for tests that drive the real Scheduler without a model."""
 
-from worker.engine.sequence import FinishReason
+import itertools
+
+from worker.engine.sequence import FinishReason, SamplingParams, Sequence
+
+_ids = itertools.count(1)
+
+
+def make_seq(tenant: str, prompt_len: int, max_tokens: int = 8, weight: float = 1.0) -> Sequence:
+    """A request of `tenant` with prompt tokens 1..prompt_len and at most `max_tokens` output tokens;
+    request ids q1, q2, ... are unique across the test session."""
+    return Sequence(f"q{next(_ids)}", tenant, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                    weight=weight, max_tokens=max_tokens)
 
 
 def step(sched):
