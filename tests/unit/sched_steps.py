@@ -2,6 +2,9 @@
 
 import itertools
 
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 
 _ids = itertools.count(1)
@@ -27,3 +30,21 @@ def step(sched):
             if len(s.output_token_ids) >= s.max_tokens:
                 sched.finish(s, FinishReason.LENGTH)
     return chunks
+
+
+class CancelAndStepRules:
+    """Hypothesis rules the scheduler state machines share (mixed into a RuleBasedStateMachine that
+    sets `self.sched` and `self.live`, the requests not yet finished, and defines `_step()`)."""
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1000))
+    def cancel(self, i):
+        """The client of one live request goes away."""
+        s = self.live.pop(i % len(self.live))
+        self.sched.finish(s, FinishReason.ABORT)
+
+    @rule(k=st.integers(1, 12))
+    def steps(self, k):
+        """`k` engine steps."""
+        for _ in range(k):
+            self._step()

@@ -9,9 +9,10 @@ Prompts are drawn from a few shared prefixes (per tenant namespaces, one salt sh
 tenants' namespaces never), so cache hits, splits and evictions happen."""
 
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from worker.cache.radix import RadixCache
+from tests.unit.sched_steps import CancelAndStepRules
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -25,7 +26,7 @@ TENANTS = ("a", "b", "c")
 PREFIXES = [[(7 * j) % 97 + 1 for j in range(300)], [(7 * j) % 97 + 1 for j in range(40)] + [5] * 260, [3] * 300]
 
 
-class KVMachine(RuleBasedStateMachine):
+class KVMachine(CancelAndStepRules, RuleBasedStateMachine):
     @initialize(quota=st.booleans(), budget=st.sampled_from([32, 128, 512]),
                 soft=st.sampled_from([{}, {"a": 0.05, "b": 0.05, "c": 0.05}, {"a": 0.6}]),
                 cache=st.booleans(), public=st.booleans())
@@ -59,17 +60,6 @@ class KVMachine(RuleBasedStateMachine):
                      max_tokens=out, cache_namespace=tenant + "/" + salt)
         self.sched.add(s)
         self.live.append(s)
-
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 1000))
-    def abort(self, i):
-        s = self.live.pop(i % len(self.live))
-        self.sched.finish(s, FinishReason.ABORT)
-
-    @rule(k=st.integers(1, 8))
-    def steps(self, k):
-        for _ in range(k):
-            self._step()
 
     def _step(self):
         for c in self.sched.schedule():
