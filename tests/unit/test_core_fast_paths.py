@@ -21,6 +21,7 @@ import types
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from tests.unit.sched_steps import step as sched_step
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -117,15 +118,7 @@ def test_fast_structures_decide_as_the_plain_scans(n_tenants, tiers, weights, bl
     max_prompt = blocks * 16 // 2 - 32
 
     def step(s):
-        chunks = s.schedule()
-        for c in chunks:
-            q = c.seq
-            q.num_computed_tokens += c.num_tokens
-            if q.num_computed_tokens == q.num_tokens:
-                q.output_token_ids.append(7)
-                s.policy.charge(q.tenant_id, BETA, output_tokens=1, request_id=q.request_id)
-                if len(q.output_token_ids) >= q.max_tokens:
-                    s.finish(q, FinishReason.LENGTH)
+        chunks = sched_step(s)
         live[id(s)][:] = [q for q in live[id(s)] if not q.is_finished]
         return [(c.seq.request_id, c.num_tokens) for c in chunks]
 
