@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     lo, hi = (float(x) for x in args.kill_every.split(":"))
     import yaml
 
-    from fairshare.up_process import UpProcess
+    from loadtests.up_process import UpProcess
 
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="fairshare-chaos-") as tmp:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import openai
 
-    from fairshare.up_process import UpProcess
+    from loadtests.up_process import UpProcess
 
     children = args.child or ["worker", "redis"]
     with tempfile.TemporaryDirectory(prefix="fairshare-recovery-") as tmp:

@@ -46,7 +46,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fairshare import worker_auth
-from fairshare.procs import free_port, start_redis, wait_for_port
+from fairshare.local_redis import start_redis
+from fairshare.ports import free_port, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 

@@ -161,7 +161,7 @@ def start_worker(flags: list[str], threads: int | None = None, log_path: Path | 
                  timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
     """Start `fairshare worker --model random-tiny` with `flags` on a free loopback port; return
     (process, "127.0.0.1:port") once it listens. Raises RuntimeError / TimeoutError if it does not."""
-    from fairshare.procs import free_port, wait_for_port
+    from fairshare.ports import free_port, wait_for_port
 
     worker_signer()  # (a key in the environment the worker inherits)
     port = free_port()

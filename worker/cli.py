@@ -43,7 +43,7 @@ import asyncio
 import logging
 import sys
 
-from fairshare.procs import port_in_use
+from fairshare.ports import port_in_use
 from worker.cache.options import add_cache_arguments, cache_settings
 from worker.pool_service import add_pool_arguments, worker_id_of
 

@@ -51,7 +51,7 @@ def test_simulation_is_deterministic_per_seed():
 
 
 def test_sim_run_imports_no_torch():
-    code = ("import sys; from fairshare.sim import main; "
+    code = ("import sys; from fairshare.cli.sim import main; "
             "rc = main(['run', 'proportional', '--rate-scale', '0.1', '--policy', 'drr']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -136,7 +136,7 @@ def test_report_has_the_kv_quota_section_side_by_side(tmp_path):
 
 
 def test_sim_report_cli_refuses_a_quota_workload_alone(tmp_path):
-    from fairshare.sim import main
+    from fairshare.cli.sim import main
 
     with pytest.raises(SystemExit) as exc:
         main(["report", "--workloads", "memory-flood", "--out", str(tmp_path / "r.md")])
@@ -144,7 +144,7 @@ def test_sim_report_cli_refuses_a_quota_workload_alone(tmp_path):
 
 
 def test_sim_run_with_kv_quotas(capsys):
-    from fairshare.sim import main
+    from fairshare.cli.sim import main
 
     assert main(["run", "memory-flood", "--kv-quota", "--rate-scale", "1"]) == 0
     out = capsys.readouterr().out

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from fairshare.sim import DEFAULT_PROFILE, main
+from fairshare.cli.sim import DEFAULT_PROFILE, main
 from loadtests.workloads.pool import SKEWED_OVERLOAD
 from loadtests.workloads.shared_prefix import SMALL
 from worker.sim import pool_report

@@ -59,7 +59,7 @@ def test_bad_values_are_argparse_errors(argv, message, capsys):
 
 
 def test_fairshare_up_passes_tier_flags_to_its_worker(capsys):
-    from fairshare import up
+    from fairshare.cli import up
 
     def worker_args(*argv: str) -> list[str]:
         args = up.build_parser().parse_args(list(argv))

