@@ -33,7 +33,7 @@ ROWS = [
 # `loadtests/bench`) and the simulator's report writers (``*report*.py`` outside tests)
 PATTERN_ROWS = [
     ("benchmarks (anywhere)", lambda r: "bench" in r.rsplit("/", 1)[-1] or r.startswith("loadtests/bench/")
-     or r == "loadtests/sidechannel.py"),
+     or r == "loadtests/bench/sidechannel.py"),
     ("report writers (anywhere)", lambda r: "report" in r.rsplit("/", 1)[-1] or r.startswith("loadtests/reports/")),
 ]
 SKIP = ("fairshare/v1",)

@@ -202,7 +202,7 @@ def run_locust(campaign, url: str, keys: dict[str, str], model: str | None, dura
 
 def run_policy(campaign, policy_label: str, url: str, keys: dict[str, str], model: str | None, args, out: Path,
                readers: list, setup: dict):
-    from loadtests.report import Run, read_locust_stats
+    from loadtests.reports.loadtest import Run, read_locust_stats
 
     log(f"{policy_label}: running `{campaign.name}` for {args.duration:g} s against {url} "
         f"({campaign.total_users()} Locust users)")
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         print("fairshare loadtest: interrupted", file=sys.stderr)
         return 130
 
-    from loadtests.report import write_report
+    from loadtests.reports.loadtest import write_report
 
     summary = write_report(out, runs, campaign, campaign.focus)
     _print_summary(summary)

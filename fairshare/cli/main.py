@@ -7,7 +7,7 @@ Sub-commands are dispatched lazily so that e.g. `fairshare gateway` never import
 - `fairshare keys ...`     -> `gateway.cli.keys_main` (API keys, stored as HMAC digests)
 - `fairshare up ...`       -> `fairshare.cli.up.main`  (embedded platform: Redis + worker + gateway, supervised)
 - `fairshare top ...`      -> `fairshare.cli.top.main` (live per-tenant view from the metrics)
-- `fairshare bench ...`    -> `fairshare.bench.main`
+- `fairshare bench ...`    -> `fairshare.cli.bench.main` (benchmarks in `loadtests/bench/`)
 - `fairshare sim ...`      -> `fairshare.cli.sim.main`   (fairness simulator; no torch except `calibrate`)
 - `fairshare loadtest ...` -> `fairshare.cli.loadtest.main` (Locust campaigns and their reports)
 """
@@ -23,7 +23,7 @@ _COMMANDS = {
     "keys": ("gateway.cli", "keys_main", "create / list / revoke tenant API keys"),
     "up": ("fairshare.cli.up", "main", "start Redis, a worker and the gateway on this machine"),
     "top": ("fairshare.cli.top", "main", "live per-tenant view (service share, queues, KV, TTFT, 429s)"),
-    "bench": ("fairshare.bench", "main", "print benchmark figures (engine, gateway)"),
+    "bench": ("fairshare.cli.bench", "main", "print benchmark figures (engine, gateway)"),
     "sim": ("fairshare.cli.sim", "main", "fairness simulator: calibrate, run a workload, write the report"),
     "loadtest": ("fairshare.cli.loadtest", "main", "run a Locust campaign (per-tenant report, FCFS vs VTC)"),
 }

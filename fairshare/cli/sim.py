@@ -20,7 +20,7 @@ prints the benchmark figures; the priority-tier workloads (`tiers`, `tiers-heavy
 with tiers, with tiers and an iteration token target, tier-blind and under FCFS, and the
 memory-isolation workloads (`memory-flood`) with KV quotas off and on, each written as their own
 sections (not in the fairness summary); then the pool section (prefix hit rates on 4 and 8 workers,
-fairness under a skewed overload; worker/sim/pool_report.py). Every command that
+fairness under a skewed overload; loadtests/reports/pool.py). Every command that
 reports prints the cost function and weights.
 `run` and `report` import no torch.
 """
@@ -32,8 +32,10 @@ import math
 import sys
 from pathlib import Path
 
+from loadtests.profiles import DEFAULT_PROFILE, PROFILES_DIR
+
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_PROFILE = ROOT / "loadtests" / "profiles" / "cpu-random-tiny.json"
+
 
 
 def _profile(path: str | None):
@@ -85,7 +87,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     from worker.sim.calibrate import calibrate
 
     model, _ = calibrate(args.model, args.device, args.repeats, args.threads)
-    out = Path(args.out) if args.out else ROOT / "loadtests" / "profiles" / f"{args.device.split(':')[0]}-{args.model}.json"
+    out = Path(args.out) if args.out else PROFILES_DIR / f"{args.device.split(':')[0]}-{args.model}.json"
     model.save(out)
     print(f"saved {out}")
     return 0
@@ -114,7 +116,7 @@ def cmd_run(argv: list[str]) -> int:
 
     from loadtests.workloads import get_workload
     from worker.scheduling.metrics import compute_metrics
-    from worker.sim.report import resolve_rate_scale
+    from loadtests.reports.fairness import resolve_rate_scale
 
     try:
         workload = get_workload(args.workload)
@@ -166,7 +168,7 @@ def cmd_run(argv: list[str]) -> int:
 
 def _print_run(workload, engine, config, tm, scale: float, cap, iterations: int, end_s: float, m) -> None:
     """What `sim run` prints: the run's settings, the per-tenant table and the summary line."""
-    from worker.sim.report import TENANT_COLUMNS, _f
+    from loadtests.reports.fairness import TENANT_COLUMNS, _f
 
     print(f"workload {workload.name}: {workload.description}")
     print(f"policy: {engine.policy.describe()}")
@@ -195,12 +197,12 @@ def cmd_report(argv: list[str]) -> int:
     p.add_argument("--out", default=str(ROOT / "docs" / "fairness-report.md"))
     p.add_argument("--img-dir", default=str(ROOT / "docs" / "img"))
     p.add_argument("--no-pool", dest="pool", action="store_false",
-                   help="leave out the pool section (worker/sim/pool_report.py)")
+                   help="leave out the pool section (loadtests/reports/pool.py)")
     _add_common(p)
     args = p.parse_args(argv)
     from loadtests.workloads import all_workloads, get_workload, quota_workloads, tier_workloads
-    from worker.sim.quota_report import table
-    from worker.sim.report import benchmark_lines, run_benchmark, write_report
+    from loadtests.reports.quota import table
+    from loadtests.reports.fairness import benchmark_lines, run_benchmark, write_report
 
     quota_names = {w.name for w in quota_workloads()}
     tier_names = {w.name for w in tier_workloads()}
@@ -223,7 +225,7 @@ def cmd_report(argv: list[str]) -> int:
                           progress=lambda s: print(s, flush=True), quota_workloads=quota, tier_workloads=tiers,
                           **_engine_overrides(args))
     if args.pool:
-        from worker.sim.pool_report import run_pool_benchmark
+        from loadtests.reports.pool import run_pool_benchmark
 
         bench.pool = run_pool_benchmark(tm, bench.rate_scale, seed=args.seed, progress=lambda s: print(s, flush=True))
     command = "fairshare sim report " + " ".join(argv)
@@ -238,7 +240,7 @@ def cmd_report(argv: list[str]) -> int:
               + ", ".join(f"{t}={x:g}" for t, x in w.weights().items()) + ")")
         print(table(off, on))
     if bench.pool is not None:
-        from worker.sim.pool_report import lines as pool_lines
+        from loadtests.reports.pool import lines as pool_lines
 
         print()
         for line in pool_lines(bench.pool):

@@ -5,7 +5,7 @@
   the victim tenant sends ordinary 256/256 requests at 0.3 req/s. With per-tenant KV quotas the flood waits above
   the watermark and is preempted first; without them the victim's requests are preempted and queue
   behind the flood's memory. Registered for `get_workload` (and the quota side-by-side report,
-  `python -m worker.sim.quota_report`), not in the fairness benchmark's `all_workloads`.
+  `python -m loadtests.reports.quota`), not in the fairness benchmark's `all_workloads`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Multi-tenant traffic with shared system prompts, for the prefix-cache hit-rate benchmark
-(`python -m worker.cache.bench`, `fairshare bench cache`).
+(`python -m loadtests.bench.cache`, `fairshare bench cache`).
 
 Every request's prompt is built from three parts, in this order:
 

@@ -5,7 +5,7 @@
   `chat` is served as if it were alone (strict priority; lower-tier work it needs room from is
   preempted) and `bulk` still receives at least its minimum share (5 %) of the service; tier-blind
   VTC splits the server between them and FCFS queues `chat` behind the flood. Registered for
-  `get_workload` and the tiers section of `fairshare sim report` (`worker.sim.tier_report`), not
+  `get_workload` and the tiers section of `fairshare sim report` (`loadtests.reports.tiers`), not
   in the fairness benchmark's `all_workloads`.
 - tiers-heavy: the same with `chat` at 70 % of capacity, more than the half that weight-1 VTC would
   give it: tier-blind VTC splits the server and queues `chat`; tiers serve it first.

@@ -52,6 +52,6 @@ def test_best_threshold_and_report():
 
 
 def test_bench_and_sidechannel_modules_import_neither_torch_nor_grpc():
-    code = ("import sys, worker.cache.sidechannel, worker.cache.bench; "
+    code = ("import sys, worker.cache.sidechannel, loadtests.bench.cache; "
             "bad=[m for m in ('torch','grpc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,4 +1,4 @@
-"""The pool simulator (worker/sim/pool.py) and the pool section of the report (worker/sim/pool_report.py):
+"""The pool simulator (worker/sim/pool.py) and the pool section of the report (loadtests/reports/pool.py):
 the figures `fairshare sim run --workers N` and `fairshare sim report` print, on seeded runs (the
 simulator is deterministic, so these are exact figures, not samples)."""
 
@@ -11,9 +11,9 @@ import pytest
 from fairshare.cli.sim import DEFAULT_PROFILE, main
 from loadtests.workloads.pool import SKEWED_OVERLOAD
 from loadtests.workloads.shared_prefix import SMALL
-from worker.sim import pool_report
+from loadtests.reports import pool as pool_report
 from worker.sim.pool import run_pool, single_worker_equivalent
-from worker.sim.report import resolve_rate_scale
+from loadtests.reports.fairness import resolve_rate_scale
 from worker.sim.runner import IterationTimeModel
 
 TM = IterationTimeModel.load(DEFAULT_PROFILE)

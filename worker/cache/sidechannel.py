@@ -14,7 +14,7 @@ AUC = 0.5: TTFT says nothing about the other tenant's cache; 1.0: it reveals it 
 Under the null hypothesis (both samples from one distribution, no ties) U has standard deviation
 sqrt(n1·n2·(n1+n2+1)/12), so the AUC's is sqrt((n1+n2+1)/(12·n1·n2)) (≈ 0.029 for 200 + 200).
 
-Pure Python, no torch or grpc: the driver (`loadtests/sidechannel.py`) collects the samples over
+Pure Python, no torch or grpc: the driver (`loadtests/bench/sidechannel.py`) collects the samples over
 gRPC and hands them to `analyse`.
 """
 

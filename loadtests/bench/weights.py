@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
+from loadtests.profiles import DEFAULT_PROFILE
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 
-PROFILE = Path(__file__).resolve().parents[2] / "loadtests" / "profiles" / "cpu-random-tiny.json"
 
 
 def closed_loop(engine: Engine, clock, *, inflight: int, prompt: int, output: int, iterations: int,
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.output} output tokens), {args.max_running} running slots (nothing queues)")
     from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
-    tm = IterationTimeModel.load(PROFILE)
+    tm = IterationTimeModel.load(DEFAULT_PROFILE)
     print(f"simulator ({tm.describe()}), {args.iterations} iterations after 100 of warm-up:")
     base = None
     for target in targets:

@@ -6,8 +6,8 @@ plus a solo run of each workload's returning tenant. Fairness figures are taken 
 window [0, duration]; throughput is tokens per busy second over the whole drained run.
 `write_report` writes the markdown report (the summary table, then every metric per tenant per
 policy, then the priority-tier workloads with and without tiers side by side, from
-`worker.sim.tier_report`, then the memory-isolation workloads with KV quotas off and on side by side, from
-`worker.sim.quota_report`) and one PNG per fairness workload (service rate per tenant over time,
+`loadtests.reports.tiers`, then the memory-isolation workloads with KV quotas off and on side by side, from
+`loadtests.reports.quota`) and one PNG per fairness workload (service rate per tenant over time,
 accumulated service difference over time, TTFT per tenant); `benchmark_lines` are the printed
 figures and checks.
 """
@@ -18,9 +18,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtests.reports import quota as quota_report
+from loadtests.reports import tiers as tier_report
+from loadtests.reports.common import cell, pyplot
 from loadtests.workloads import REFERENCE_CAPACITY_RPS, Workload
 from worker.scheduling.metrics import FairnessMetrics, compute_metrics, vtc_bound
-from worker.sim import quota_report, tier_report
 from worker.sim.driver import SimResult, estimate_capacity_rps, run_workload
 from worker.sim.runner import IterationTimeModel
 
@@ -46,7 +48,7 @@ class Benchmark:
     quota: list[tuple[Workload, dict, dict]] = field(default_factory=list)
     # priority-tier workloads, each run solo / tiers / tiers + iteration target / tier-blind / FCFS
     tiers: list[tuple[Workload, list]] = field(default_factory=list)
-    pool: object | None = None  # worker.sim.pool_report.PoolBench, when the pool section is run
+    pool: object | None = None  # loadtests.reports.pool.PoolBench, when the pool section is run
 
 
 def resolve_rate_scale(rate_scale: str | float, time_model: IterationTimeModel, **engine_overrides):
@@ -61,8 +63,8 @@ def run_benchmark(workloads: list[Workload], policies: list[str], time_model: It
                   rate_scale: str | float = "auto", progress=None, quota_workloads: list[Workload] = (),
                   tier_workloads: list[Workload] = (), **engine_overrides) -> Benchmark:
     """Simulate every workload under every policy (and each returning tenant alone), then each of
-    `quota_workloads` under the first policy with KV quotas off and on (`worker.sim.quota_report`),
-    then each of `tier_workloads` with and without tiers (`worker.sim.tier_report`), at the same
+    `quota_workloads` under the first policy with KV quotas off and on (`loadtests.reports.quota`),
+    then each of `tier_workloads` with and without tiers (`loadtests.reports.tiers`), at the same
     seed and rate scale."""
     scale, cap = resolve_rate_scale(rate_scale, time_model, **engine_overrides)
     bench = Benchmark(time_model, scale, cap, seed, list(policies), engine_overrides=dict(engine_overrides))
@@ -98,9 +100,7 @@ def run_benchmark(workloads: list[Workload], policies: list[str], time_model: It
 
 
 def _f(x: float, digits: int = 0) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "–"
-    return f"{x:,.{digits}f}"
+    return cell(x, digits, thousands=True)
 
 
 def _bound(res: SimResult) -> float:
@@ -220,11 +220,7 @@ def benchmark_lines(bench: Benchmark) -> list[str]:
 def plot_workload(wr: WorkloadResult, policies: list[str], path: Path, bin_s: float = 10.0) -> None:
     """One PNG: service rate per tenant over time (one panel per policy), accumulated service
     difference over time (all policies), TTFT per tenant against arrival time (one panel per policy)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n = len(policies)
     fig = plt.figure(figsize=(4.2 * n, 9.5))
     grid = fig.add_gridspec(3, n, hspace=0.45, wspace=0.25)
@@ -352,8 +348,8 @@ def write_report(bench: Benchmark, out: Path, img_dir: Path, command: str = "fai
         lines += tier_report.section(w, trows, bench.seed, bench.rate_scale, ttft_check=w.name == "tiers")
     for w, off, on in bench.quota:  # memory isolation: its own sections, not in the summary
         lines += quota_report.section(w, off, on, bench.policies[0], bench.seed, bench.rate_scale)
-    if bench.pool is not None:  # a pool of workers: worker/sim/pool_report.py
-        from worker.sim import pool_report
+    if bench.pool is not None:  # a pool of workers: loadtests/reports/pool.py
+        from loadtests.reports import pool as pool_report
 
         lines += pool_report.section(bench.pool)
     out.parent.mkdir(parents=True, exist_ok=True)

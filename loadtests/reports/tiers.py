@@ -1,6 +1,6 @@
 """Side-by-side simulator report for priority tiers: an interactive tenant beside a background flood.
 
-    python -m worker.sim.tier_report [--workload tiers] [--profile PATH] [--seed 0] [--rate-scale 0.6261]
+    python -m loadtests.reports.tiers [--workload tiers] [--profile PATH] [--seed 0] [--rate-scale 0.6261]
 
 Runs the workload (`loadtests/workloads/tiers.py`) through the real engine loop on the simulated
 runner, same seed, time model and rate scale, drained:
@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
+from loadtests.profiles import DEFAULT_PROFILE
 from loadtests.workloads import Workload, get_workload
 from worker.scheduling.metrics import compute_metrics
 from worker.sim.driver import run_workload
 from worker.sim.runner import IterationTimeModel
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "loadtests" / "profiles" / "cpu-random-tiny.json"
 LATENCY_TARGET = 12  # tokens: the iteration token target of the latency run
 RATIO_GOAL = 1.5     # interactive TTFT p99 within this multiple of its solo p99
 
@@ -122,7 +121,7 @@ def section(workload: Workload, rows: list[dict], seed: int = 0, rate_scale: flo
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m worker.sim.tier_report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m loadtests.reports.tiers", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="tiers")
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
     ap.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """Prefix-cache hit-rate benchmark: what tenant isolation costs, and what public prefixes win back.
 
-    python -m worker.cache.bench [--workload shared-system-prompts] [--capacity 2048,8192,0]
+    python -m loadtests.bench.cache [--workload shared-system-prompts] [--capacity 2048,8192,0]
                                  [--block-size 16] [--seed 0] [--engine [--stretch 25]]
     fairshare bench cache [same options]
 
@@ -29,11 +29,15 @@ Figures, as shares of all prompt tokens looked up:
   what a timing side channel could reveal. 0 whenever namespaces are on.
 `promoted/global` is the hit rate of namespaced+public divided by the global one.
 
-`--engine` runs the same trace through the real engine on the simulator instead
-(`worker/sim/cache_bench.py`: concurrent requests, decode, the cache sharing the KV pool with
-running requests; the `x-tenant` column is not measured there).
+`--engine` runs the same trace through the real engine on the simulator instead (`run_engine`:
+each mode runs the real `Engine` (scheduler, paged KV pool, prefix cache with its namespaces and
+eviction) on the simulated runner and a virtual clock, as `fairshare sim` does: requests arrive at
+their trace times, run concurrently, decode their output tokens, and share one KV pool of
+`num_kv_blocks` blocks with the cache. A request's hit is the `cached_tokens` the engine reports for
+it; `same-tenant` is counted as in the replay. Which tenant inserted a hit block is not visible from
+outside the engine, so `x-tenant` is not measured there).
 
-Pure Python (no torch, no grpc); the workload and engine modules are imported only by `main`.
+Pure Python (no torch, no grpc); deterministic per seed.
 """
 
 from __future__ import annotations
@@ -44,8 +48,13 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from loadtests.profiles import DEFAULT_PROFILE
 from worker.cache.namespace import GLOBAL_NAMESPACE, derive_namespace
 from worker.cache.radix import RadixCache
+from worker.engine.engine import Engine, EngineConfig
+from worker.engine.sequence import SamplingParams
+from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+
 
 MODES = ("global", "namespaced", "namespaced+public")
 MODE_LABELS = {"global": "global (unsafe)", "namespaced": "namespaced", "namespaced+public": "namespaced+public"}
@@ -203,11 +212,85 @@ def format_table(results: dict[str, ReplayResult]) -> str:
     return "\n".join(lines)
 
 
+def run_engine(requests: Sequence, mode: str, num_kv_blocks: int, block_size: int = 16,
+               public_prefixes: Sequence[Sequence[int]] = (), time_model: IterationTimeModel | None = None,
+               policy: str = "vtc", max_num_batched_tokens: int = 512, drain_s: float = 600.0) -> ReplayResult:
+    """Run `requests` (`loadtests.workloads.shared_prefix.PromptedRequest`, arrival order) through
+    the engine in `mode` (one of `loadtests.bench.cache.MODES`) with a pool of `num_kv_blocks` blocks.
+
+    time_model: iteration time (default: loadtests/profiles/cpu-random-tiny.json). drain_s: how long
+    after the last arrival the run may go on. Returns a `ReplayResult` (cross_tenant_tokens = -1:
+    not measured; requests = requests that finished). Raises ValueError for an unknown mode or a
+    request the engine refuses.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    tm = time_model or IterationTimeModel.load(DEFAULT_PROFILE)
+    config = EngineConfig(policy=policy, max_num_batched_tokens=max_num_batched_tokens, max_running=64,
+                          block_size=block_size, num_kv_blocks=num_kv_blocks, prefix_cache=True,
+                          cache_isolation=mode != "global",
+                          public_prefixes=[list(p) for p in public_prefixes] if mode == "namespaced+public" else [],
+                          cache_secret=BENCH_SECRET)
+    clock = VirtualClock()
+    engine = Engine(SimModel(), config, SimulatedRunner(clock, tm, num_kv_blocks, block_size), clock=clock)
+    result = ReplayResult(mode, num_kv_blocks, cross_tenant_tokens=-1)
+    history: dict[str, set[int]] = {}
+    # request id -> (tenant, prompt tokens, own-prefix blocks, public-prefix blocks)
+    pending: dict[str, tuple[str, int, int, int]] = {}
+    public_chains = [_block_chain(p, block_size) for p in public_prefixes] if mode == "namespaced+public" else []
+
+    def on_output(out) -> None:
+        if out.finish_reason is None or out.request_id not in pending:
+            return
+        tenant, n_tokens, own, public = pending.pop(out.request_id)
+        hit = out.cached_tokens
+        same = min(hit, own * block_size)
+        result.requests += 1
+        result.lookup_tokens += n_tokens
+        result.hit_tokens += hit
+        result.same_tenant_tokens += same
+        row = result.by_tenant.setdefault(tenant, [0, 0, 0])
+        row[0] += n_tokens
+        row[1] += hit
+        row[2] += same
+        result.public_tokens += min(hit, public * block_size)
+
+    end = (requests[-1].spec.arrival_s if requests else 0.0) + drain_s
+    i = 0
+    while True:
+        now = clock()
+        while i < len(requests) and requests[i].spec.arrival_s <= now:
+            r = requests[i]
+            chain = _block_chain(r.token_ids, block_size)
+            seen = history.setdefault(r.tenant_id, set())
+            own = 0
+            while own < len(chain) and chain[own] in seen:
+                own += 1
+            seen.update(chain)
+            public = max((len(c) for c in public_chains if len(c) <= len(chain) and chain[len(c) - 1] == c[-1]),
+                         default=0)
+            pending[r.spec.request_id] = (r.tenant_id, len(r.token_ids), own, public)
+            engine.add_request(r.spec.request_id, r.tenant_id, list(r.token_ids),
+                               SamplingParams(max_tokens=r.spec.output_tokens, temperature=0.0, ignore_eos=True),
+                               on_output, weight=r.spec.weight, arrival_time=r.spec.arrival_s)
+            i += 1
+        if now >= end:
+            break
+        if engine.step():
+            continue
+        if i >= len(requests):
+            break
+        clock.advance_to(requests[i].spec.arrival_s)
+    if engine.cache is not None:
+        result.evicted_blocks = engine.cache.stats.evicted_blocks
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (`python -m worker.cache.bench`, `fairshare bench cache`); prints the tables."""
+    """Entry point (`python -m loadtests.bench.cache`, `fairshare bench cache`); prints the tables."""
     from loadtests.workloads.shared_prefix import WORKLOADS
 
-    p = argparse.ArgumentParser(prog="python -m worker.cache.bench", description="prefix-cache hit rates by isolation mode")
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench.cache", description="prefix-cache hit rates by isolation mode")
     p.add_argument("--workload", default="shared-system-prompts", choices=sorted(WORKLOADS))
     p.add_argument("--capacity", default="2048,8192,0",
                    help="comma list of KV pool sizes in blocks (0 = unbounded); default 2048,8192,0")
@@ -227,8 +310,6 @@ def main(argv: list[str] | None = None) -> int:
     caps = [int(c) for c in args.capacity.split(",") if c.strip()]
     public = [w.public_prompt(args.seed)]
     if args.engine:
-        from worker.sim.cache_bench import DEFAULT_PROFILE, run_engine
-
         caps = [c for c in caps if c > 0]
         if not caps:
             p.error("--engine needs a finite --capacity")

@@ -1,8 +1,8 @@
 """Side-by-side simulator report: per-tenant TTFT, preemptions and KV figures with KV quotas off and on.
 
-    python -m worker.sim.quota_report [--workload memory-flood] [--profile PATH] [--seed 0]
+    python -m loadtests.reports.quota [--workload memory-flood] [--profile PATH] [--seed 0]
                                       [--rate-scale 1] [--out PATH]
-    python -m worker.sim.quota_report --all [--rate-scale 0.6261]   (every workload, quotas off / on)
+    python -m loadtests.reports.quota --all [--rate-scale 0.6261]   (every workload, quotas off / on)
 
 Runs the workload twice through the real engine loop on the simulated runner (same seed, same time
 model, same rate scale): `kv_quota=False` (the quota-less behaviour) and `kv_quota=True` (defaults:
@@ -17,18 +17,12 @@ import argparse
 import statistics
 from pathlib import Path
 
+from loadtests.profiles import DEFAULT_PROFILE
 from loadtests.workloads import Workload, get_workload
+from worker.scheduling.metrics import percentile
 from worker.sim.driver import run_workload
 from worker.sim.runner import IterationTimeModel
 
-DEFAULT_PROFILE = Path(__file__).resolve().parents[2] / "loadtests" / "profiles" / "cpu-random-tiny.json"
-
-
-def _pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))]
 
 
 def tenant_rows(res) -> dict[str, dict]:
@@ -48,7 +42,7 @@ def tenant_rows(res) -> dict[str, dict]:
         xs = ttft.get(tenant, [])
         row["served"] = len(xs)
         row["ttft_mean"] = statistics.fmean(xs) if xs else float("nan")
-        row["ttft_p90"] = _pct(xs, 0.9)
+        row["ttft_p90"] = percentile(xs, 90)
         row["preemptions"] = res.engine.scheduler.preemptions_by_tenant.get(tenant, 0)
         del row["ttft"]
     return rows
@@ -143,7 +137,7 @@ def every_workload_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m worker.sim.quota_report", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m loadtests.reports.quota", description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="memory-flood")
     ap.add_argument("--profile", default=str(DEFAULT_PROFILE))
     ap.add_argument("--policy", default="vtc")

@@ -1,17 +1,9 @@
-"""`fairshare bench`: benchmarks that print figures (never timed assertions in tests).
+"""`fairshare bench engine`: decode throughput of the reference engine, side by side with llama.cpp
+and transformers (figures printed, never timed assertions in tests).
 
     fairshare bench engine  [--model smollm2] [--batches 1,8,32] [--new-tokens 32] [--prompt-len 16]
                             [--threads N] [--dtype auto] [--quantization auto] [--hf-batch 8]
                             [--repeats 3] [--llama-cpp auto|off]
-    fairshare bench gateway [...]   (see gateway/bench.py)
-    fairshare bench cache [...]     (prefix-cache hit rates by isolation mode; worker/cache/bench.py)
-    fairshare bench sidechannel [...]  (CI2 TTFT timing side channel; loadtests/sidechannel.py)
-    fairshare bench recovery [...]  (`fairshare up` healing a kill -9; fairshare/recovery_bench.py)
-    fairshare bench chaos [--minutes 10] [...]  (mixed load while Redis, a worker and the gateway are
-                                      killed at random; outcomes and leaks; fairshare/chaos_bench.py)
-    fairshare bench grammar [...]   (cost of grammar-constrained decoding; worker/engine/grammar_bench.py)
-    fairshare bench scheduler [...]    (the scheduling core's decision time per iteration; worker/sim/sched_bench.py)
-    fairshare bench weights [...]      (what a weight means when nobody queues, and its cost; worker/sim/weights_bench.py)
 
 `engine`: decode throughput of the reference engine (continuous batching, paged KV) at each batch
 size: output tokens per second (output tokens / wall seconds from submission to the last token,
@@ -32,7 +24,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import sys
 import time
 
 LLAMA_CPP_HINT = ("llama.cpp: not installed; to compare side by side: pip install llama-cpp-python==0.3.36 "
@@ -211,7 +202,8 @@ def _row(name: str, b: int, result: tuple[float, int, float], weight_bytes: int,
             f"{tok_s / max(cpu_share, 1e-9):7.1f} tok/s per full share)")
 
 
-def bench_engine(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `fairshare bench engine`; prints the figures, returns 0."""
     p = argparse.ArgumentParser(prog="fairshare bench engine")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--batches", default="1,8,32")
@@ -272,48 +264,3 @@ def bench_engine(argv: list[str]) -> int:
             print(f"ratio engine/transformers at batch {args.hf_batch}: "
                   f"{ours['results'][args.hf_batch][0] / hf_tps:.2f}x")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `fairshare bench`."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: fairshare bench {engine|gateway|cache|sidechannel|recovery|grammar|chaos|scheduler|weights} [options]")
-        return 0 if argv else 2
-    what, rest = argv[0], argv[1:]
-    if what == "engine":
-        return bench_engine(rest)
-    if what == "gateway":
-        from gateway.bench import main as gateway_bench
-
-        return int(gateway_bench(rest) or 0)
-    if what == "cache":
-        from worker.cache.bench import main as cache_bench
-
-        return cache_bench(rest)
-    if what == "weights":
-        from worker.sim.weights_bench import main as weights_bench
-
-        return weights_bench(rest)
-    if what == "scheduler":
-        from worker.sim.sched_bench import main as scheduler_bench
-
-        return scheduler_bench(rest)
-    if what == "sidechannel":
-        from loadtests.sidechannel import main as sidechannel_bench
-
-        return sidechannel_bench(rest)
-    if what == "recovery":
-        from fairshare.recovery_bench import main as recovery_bench
-
-        return recovery_bench(rest)
-    if what == "chaos":
-        from fairshare.chaos_bench import main as chaos_bench
-
-        return chaos_bench(rest)
-    if what == "grammar":
-        from worker.engine.grammar_bench import main as grammar_bench
-
-        return grammar_bench(rest)
-    print(f"fairshare bench: unknown benchmark {what!r}", file=sys.stderr)
-    return 2

@@ -1,7 +1,7 @@
 """Prefix-cache timing side channel (case CI2): can a tenant tell from TTFT what another tenant's
 prompts were?
 
-    python -m loadtests.sidechannel [--pairs 200] [--prefix-tokens 256] [--suffix-tokens 32]
+    python -m loadtests.bench.sidechannel [--pairs 200] [--prefix-tokens 256] [--suffix-tokens 32]
                                     [--arms unsafe,namespaced,floor] [--floor 0.25] [--seed 0]
                                     [--addr HOST:PORT --label NAME]   (probe a running worker instead)
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 from worker.cache.sidechannel import SideChannelResult, analyse, format_report
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN_RANGE = (1000, 30000)  # ids drawn uniformly from here (inside the SmolLM2 vocabulary of random-tiny)
 
 ARMS: dict[str, tuple[str, list[str]]] = {
@@ -207,8 +207,8 @@ def setup_line(cfg: ProbeConfig) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (`python -m loadtests.sidechannel`); prints the report, returns 0."""
-    p = argparse.ArgumentParser(prog="python -m loadtests.sidechannel", description=__doc__.split("\n\n")[0])
+    """Entry point (`python -m loadtests.bench.sidechannel`); prints the report, returns 0."""
+    p = argparse.ArgumentParser(prog="python -m loadtests.bench.sidechannel", description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=200, help="shared probes (and as many controls) per arm")
     p.add_argument("--prefix-tokens", type=int, default=256)
     p.add_argument("--suffix-tokens", type=int, default=32)

@@ -23,22 +23,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtests.reports.common import cell, percentile, pyplot
+
 ALPHA, BETA = 1.0, 2.0  # the worker's default cost c = α·P + β·O (fairshare worker --alpha/--beta)
 SERVICE_WINDOW_S = 5.0
 BIN_S = 5.0
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """q in [0, 100]; None for no data."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    if len(s) == 1:
-        return s[0]
-    pos = (len(s) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 @dataclass
@@ -183,11 +172,7 @@ def _colors(tenants: list[str]) -> dict[str, str]:
 
 
 def _axes(n: int, title: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, n, figsize=(6.4 * n, 4.2), sharey=True, squeeze=False)
     fig.suptitle(title)
     return plt, fig, axes[0]
@@ -311,16 +296,11 @@ def _all_tenants(runs: list[Run]) -> list[str]:
 # Markdown
 # ------------------------------------------------------------------------------------------------
 
-def _s(x, digits: int = 2) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
+_s = cell
 
 
 def _ms(x) -> str:
-    return "–" if x is None else f"{x * 1000:.0f}"
+    return cell(None if x is None else x * 1000.0, 0)
 
 
 def _locust_row(run: Run, rtype: str, tenant: str) -> dict | None:

@@ -50,6 +50,7 @@ from fairshare.local_redis import start_redis
 from fairshare.ports import free_port, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from worker.scheduling.metrics import percentile
 
 ECHO_MODEL = "echo"
 WORDS = ["hello", "world", "the", "a", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "how", "are",
@@ -151,14 +152,6 @@ class EchoServer:
         self._thread.join(10)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))
-    return xs[k]
-
-
 def process_cpu_s(pid: int) -> float:
     """CPU seconds (user + system, all threads) process `pid` has used so far (Linux ``/proc``)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -186,7 +179,7 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
     """Latency at concurrency 1 and throughput at `args.concurrency` of both paths in one mode."""
     import httpx
 
-    from .tokenization import ChatTokenizer, TokenizerFiles
+    from gateway.tokenization import ChatTokenizer, TokenizerFiles
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello how are you today"}]
     tok = ChatTokenizer(TokenizerFiles(echo_tokenizer_json(), CHATML))
@@ -250,9 +243,9 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
                 wall[name] += w
         out = {}
         for name in paths:
-            out[name] = {"p50_ms": _pct(lat1[name], 50) * 1000, "p99_ms": _pct(lat1[name], 99) * 1000,
+            out[name] = {"p50_ms": percentile(lat1[name], 50) * 1000, "p99_ms": percentile(lat1[name], 99) * 1000,
                          "mean_ms": statistics.fmean(lat1[name]) * 1000, "rps": args.requests / wall[name],
-                         "p50_ms_loaded": _pct(latc[name], 50) * 1000, "p99_ms_loaded": _pct(latc[name], 99) * 1000}
+                         "p50_ms_loaded": percentile(latc[name], 50) * 1000, "p99_ms_loaded": percentile(latc[name], 99) * 1000}
         out["gateway"]["cpu_ms_per_request"] = cpu_s * 1000 / args.requests
         out["gateway"]["cpu_share"] = cpu_s / wall["gateway"]
     await channel.close()
@@ -311,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, modes: list[str], gw_cpus: set[int] | None) -> dict[str, dict] | None:
     """Start Redis, the echo worker and the gateway, run every mode; None (after printing why) on failure."""
-    from .auth import create_key
+    from gateway.auth import create_key
 
     echo = EchoServer(args.tokens_per_message).start()
     procs: list[subprocess.Popen] = []
