@@ -67,7 +67,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_list(argv: list[str]) -> int:
-    from loadtests.workloads import all_workloads, pool, quota_workloads, shared_prefix, tier_workloads
+    from fairshare.workloads import all_workloads, pool, quota_workloads, shared_prefix, tier_workloads
 
     prompted = list(shared_prefix.WORKLOADS.values()) + list(pool.WORKLOADS.values())
     for w in all_workloads() + tier_workloads() + quota_workloads() + [p.base for p in prompted]:
@@ -114,7 +114,7 @@ def cmd_run(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from dataclasses import replace
 
-    from loadtests.workloads import get_workload
+    from fairshare.workloads import get_workload
     from worker.scheduling.metrics import compute_metrics
     from loadtests.reports.fairness import resolve_rate_scale
 
@@ -200,7 +200,7 @@ def cmd_report(argv: list[str]) -> int:
                    help="leave out the pool section (loadtests/reports/pool.py)")
     _add_common(p)
     args = p.parse_args(argv)
-    from loadtests.workloads import all_workloads, get_workload, quota_workloads, tier_workloads
+    from fairshare.workloads import all_workloads, get_workload, quota_workloads, tier_workloads
     from loadtests.reports.quota import table
     from loadtests.reports.fairness import benchmark_lines, run_benchmark, write_report
 

@@ -4,7 +4,7 @@
                                  [--block-size 16] [--seed 0] [--engine [--stretch 25]]
     fairshare bench cache [same options]
 
-A multi-tenant trace (`loadtests/workloads/shared_prefix.py`: an operator-wide public system
+A multi-tenant trace (`fairshare/workloads/shared_prefix.py`: an operator-wide public system
 prompt, each tenant's own system prompts, private user turns) is replayed through the real
 `worker.cache.radix.RadixCache` three times, with the same capacity (a pool of `capacity` KV
 blocks shared by the cache and the request being served; 0 = unbounded):
@@ -215,7 +215,7 @@ def format_table(results: dict[str, ReplayResult]) -> str:
 def run_engine(requests: Sequence, mode: str, num_kv_blocks: int, block_size: int = 16,
                public_prefixes: Sequence[Sequence[int]] = (), time_model: IterationTimeModel | None = None,
                policy: str = "vtc", max_num_batched_tokens: int = 512, drain_s: float = 600.0) -> ReplayResult:
-    """Run `requests` (`loadtests.workloads.shared_prefix.PromptedRequest`, arrival order) through
+    """Run `requests` (`fairshare.workloads.shared_prefix.PromptedRequest`, arrival order) through
     the engine in `mode` (one of `loadtests.bench.cache.MODES`) with a pool of `num_kv_blocks` blocks.
 
     time_model: iteration time (default: loadtests/profiles/cpu-random-tiny.json). drain_s: how long
@@ -288,7 +288,7 @@ def run_engine(requests: Sequence, mode: str, num_kv_blocks: int, block_size: in
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (`python -m loadtests.bench.cache`, `fairshare bench cache`); prints the tables."""
-    from loadtests.workloads.shared_prefix import WORKLOADS
+    from fairshare.workloads.shared_prefix import WORKLOADS
 
     p = argparse.ArgumentParser(prog="python -m loadtests.bench.cache", description="prefix-cache hit rates by isolation mode")
     p.add_argument("--workload", default="shared-system-prompts", choices=sorted(WORKLOADS))

@@ -21,7 +21,7 @@ from pathlib import Path
 from loadtests.reports import quota as quota_report
 from loadtests.reports import tiers as tier_report
 from loadtests.reports.common import cell, pyplot
-from loadtests.workloads import REFERENCE_CAPACITY_RPS, Workload
+from fairshare.workloads import REFERENCE_CAPACITY_RPS, Workload
 from worker.scheduling.metrics import FairnessMetrics, compute_metrics, vtc_bound
 from worker.sim.driver import SimResult, estimate_capacity_rps, run_workload
 from worker.sim.runner import IterationTimeModel

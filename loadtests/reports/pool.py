@@ -3,14 +3,14 @@
 Two experiments, each printed as figures with their checks and written as a markdown section:
 
 - **Locality** (`run_locality`): the shared-system-prompt workload
-  (`loadtests.workloads.shared_prefix.SHARED_SYSTEM_PROMPTS`, played over `duration_s` at the same
+  (`fairshare.workloads.shared_prefix.SHARED_SYSTEM_PROMPTS`, played over `duration_s` at the same
   rates, so that tenants repeat their prefixes often enough for hit rates to mean something) at
   `load` (default 80 %) of the pool's capacity, on 4 and 8 workers under ``least-loaded``,
   ``prefix`` and ``fair`` routing, and on one worker with the pool's total capacity (N times as
   fast, N times the KV pool: the same total KV). Figures: pool-wide prefix hit rate (cached prompt
   tokens / prompt tokens) and p99 queue time. Checks: ``prefix`` and ``fair`` hit rates >= 90 % of
   the single worker's; their p99 queue time <= 1.2x ``least-loaded``'s.
-- **Fairness under skew** (`run_skew`): `loadtests.workloads.pool.SKEWED_OVERLOAD` on 4 workers:
+- **Fairness under skew** (`run_skew`): `fairshare.workloads.pool.SKEWED_OVERLOAD` on 4 workers:
   per-worker VTC (``prefix`` routing, each worker its own counters), ``fair`` (pool-wide counters
   and spill), FCFS (``prefix`` routing), and two single-worker references: VTC on one worker with
   the pool's capacity, and VTC on one worker of the pool's kind carrying a quarter of the traffic.
@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from loadtests.workloads.pool import SKEWED_OVERLOAD
-from loadtests.workloads.shared_prefix import SHARED_SYSTEM_PROMPTS
+from fairshare.workloads.pool import SKEWED_OVERLOAD
+from fairshare.workloads.shared_prefix import SHARED_SYSTEM_PROMPTS
 from worker.scheduling.metrics import compute_metrics
 from worker.sim.pool import PoolResult, base_workload, pool_rate_scale, run_pool, single_worker_equivalent
 from worker.sim.runner import IterationTimeModel

@@ -8,7 +8,7 @@ Runs the workload twice through the real engine loop on the simulated runner (sa
 model, same rate scale): `kv_quota=False` (the quota-less behaviour) and `kv_quota=True` (defaults:
 soft quota = weight share, watermark 0.8, headroom 0.05). Prints (and with --out writes) a markdown
 table. `fairshare sim report` writes the same section (`section`) for every workload of
-`loadtests.workloads.quota_workloads()`, at the benchmark's rate scale.
+`fairshare.workloads.quota_workloads()`, at the benchmark's rate scale.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from loadtests.profiles import DEFAULT_PROFILE
-from loadtests.workloads import Workload, get_workload
+from fairshare.workloads import Workload, get_workload
 from worker.scheduling.metrics import percentile
 from worker.sim.driver import run_workload
 from worker.sim.runner import IterationTimeModel
@@ -107,7 +107,7 @@ def every_workload(time_model: IterationTimeModel | None = None, seed: int = 0, 
     default by)."""
     import math
 
-    from loadtests.workloads import all_workloads, quota_workloads, tier_workloads
+    from fairshare.workloads import all_workloads, quota_workloads, tier_workloads
     from worker.scheduling.metrics import compute_metrics
 
     tm = time_model or IterationTimeModel.load(DEFAULT_PROFILE)

@@ -2,7 +2,7 @@
 
     python -m loadtests.reports.tiers [--workload tiers] [--profile PATH] [--seed 0] [--rate-scale 0.6261]
 
-Runs the workload (`loadtests/workloads/tiers.py`) through the real engine loop on the simulated
+Runs the workload (`fairshare/workloads/tiers.py`) through the real engine loop on the simulated
 runner, same seed, time model and rate scale, drained:
 
 - the interactive tenant alone (its solo TTFT p99);
@@ -24,7 +24,7 @@ import argparse
 import math
 
 from loadtests.profiles import DEFAULT_PROFILE
-from loadtests.workloads import Workload, get_workload
+from fairshare.workloads import Workload, get_workload
 from worker.scheduling.metrics import compute_metrics
 from worker.sim.driver import run_workload
 from worker.sim.runner import IterationTimeModel

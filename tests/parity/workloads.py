@@ -8,7 +8,7 @@ arrivals in seconds, run against a time model), these are scripts on the iterati
 at the same step and any difference in what they admit is a scheduling difference, not a timing one.
 
 The shapes follow the simulator's workloads of the same names (Sheng et al., OSDI 2024 §5.2 for
-overload / weighted / on-off; `loadtests/workloads/memory.py` for memory-flood), scaled down to a
+overload / weighted / on-off; `fairshare/workloads/memory.py` for memory-flood), scaled down to a
 few hundred iterations of a small engine (`EngineShape`), plus a tiers workload (DESIGN.md "Priority
 tiers": interactive > batch > background, each lower tier keeping a minimum share).
 

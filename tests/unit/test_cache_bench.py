@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtests.workloads.shared_prefix import SMALL, WORKLOADS
+from fairshare.workloads.shared_prefix import SMALL, WORKLOADS
 from loadtests.bench.cache import MODES, format_table, replay, run_all
 
 BS = 16

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from loadtests.workloads import TenantLoad, Workload, all_workloads, get_workload, quota_workloads
+from fairshare.workloads import TenantLoad, Workload, all_workloads, get_workload, quota_workloads
 from tests.support.skips import require_module
 from worker.scheduling.metrics import compute_metrics
 from worker.sim.driver import run_workload

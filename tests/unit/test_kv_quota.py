@@ -206,7 +206,7 @@ def test_soft_quota_is_weight_share_and_overrides():
 
 
 def test_memory_flood_workload_side_by_side():
-    from loadtests.workloads import all_workloads, get_workload
+    from fairshare.workloads import all_workloads, get_workload
     from loadtests.reports.quota import compare, table
 
     w = get_workload("memory-flood")
@@ -219,7 +219,7 @@ def test_memory_flood_workload_side_by_side():
 
 
 def test_engine_snapshot_reports_quota_state():
-    from loadtests.workloads import get_workload
+    from fairshare.workloads import get_workload
     from loadtests.reports.quota import DEFAULT_PROFILE
     from worker.sim.driver import run_workload
     from worker.sim.runner import IterationTimeModel

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from loadtests.workloads import TenantLoad, Workload
+from fairshare.workloads import TenantLoad, Workload
 
 SRC = "memory isolation (KV quotas)"
 

@@ -11,7 +11,7 @@ Every request's prompt is built from three parts, in this order:
   per request (uniformly), so a tenant repeats its prefixes but never another tenant's;
 - the user turn is fresh random tokens (the `TenantLoad`'s `prompt_tokens` length), never shared.
 
-Arrivals and user-turn / output lengths come from ordinary `TenantLoad`s (`loadtests.workloads`);
+Arrivals and user-turn / output lengths come from ordinary `TenantLoad`s (`fairshare.workloads`);
 their rates follow a Zipf-like law (tenant k sends `rate / k`), as real tenant populations do: a few
 heavy tenants that mostly hit their own cache, a long tail of light tenants that send a few
 requests each and whose copies of the (long) public prompt compete for the same KV pool when each
@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
-from loadtests.workloads import RequestSpec, TenantLoad, Workload
+from fairshare.workloads import RequestSpec, TenantLoad, Workload
 
 TOKEN_RANGE = (1000, 30000)  # ids drawn from here (inside the SmolLM2 vocabulary)
 

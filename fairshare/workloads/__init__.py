@@ -12,7 +12,8 @@ of 256-in/256-out requests (so "overload" really overloads it and "proportional"
 `fairshare sim report --rate-scale auto` does) to keep the same load levels on other hardware.
 
 The definitions live in `vtc_paper.py` (Sheng et al., OSDI 2024, §5.2 synthetic workloads) and
-`lessons.py` (the seed lesson's cases); `WORKLOADS` maps names to them.
+`fairness_cases.py` (the seed lesson's fairness cases: weights and costs, a returning tenant, long
+outputs, memory pressure, cancellations); `WORKLOADS` maps names to them.
 """
 
 from __future__ import annotations
@@ -151,10 +152,10 @@ class Workload:
 
 
 def _registry() -> dict[str, Workload]:
-    from loadtests.workloads import lessons, vtc_paper
+    from fairshare.workloads import fairness_cases, vtc_paper
 
     out: dict[str, Workload] = {}
-    for w in vtc_paper.WORKLOADS + lessons.WORKLOADS:
+    for w in vtc_paper.WORKLOADS + fairness_cases.WORKLOADS:
         out[w.name] = w
     return out
 
@@ -163,7 +164,7 @@ def get_workload(name: str) -> Workload:
     """A workload by name (the fairness benchmark's, or an extra one such as `memory-flood`, or a
     prompted one: `shared-system-prompts`, `pool-skew`, a `shared_prefix.SharedPrefixWorkload`).
     Raises KeyError listing the known names."""
-    from loadtests.workloads import memory, pool, shared_prefix, tiers
+    from fairshare.workloads import memory, pool, shared_prefix, tiers
 
     reg = _registry()
     reg.update({w.name: w for w in memory.WORKLOADS + tiers.WORKLOADS})
@@ -180,16 +181,16 @@ def all_workloads() -> list[Workload]:
 
 
 def tier_workloads() -> list[Workload]:
-    """The priority-tier workloads (loadtests/workloads/tiers.py): `fairshare sim report` runs each under
+    """The priority-tier workloads (fairshare/workloads/tiers.py): `fairshare sim report` runs each under
     tier-aware VTC, tier-blind VTC and FCFS, side by side, in a section of its own."""
-    from loadtests.workloads import tiers
+    from fairshare.workloads import tiers
 
     return list(tiers.WORKLOADS)
 
 
 def quota_workloads() -> list[Workload]:
-    """The memory-isolation workloads (loadtests/workloads/memory.py): `fairshare sim report` runs each
+    """The memory-isolation workloads (fairshare/workloads/memory.py): `fairshare sim report` runs each
     with KV quotas off and on, side by side, in a section of its own (not in the fairness summary)."""
-    from loadtests.workloads import memory
+    from fairshare.workloads import memory
 
     return list(memory.WORKLOADS)

@@ -13,35 +13,35 @@
 
 from __future__ import annotations
 
-from loadtests.workloads import TenantLoad, Workload
-from loadtests.workloads.shared_prefix import SharedPrefixWorkload
+from fairshare.workloads import TenantLoad, Workload
+from fairshare.workloads.shared_prefix import SharedPrefixWorkload
 
 SRC = "FairShare issue #18 (a pool, not a worker)"
 POOL_WORKERS = 4
 ROUTE_PREFIX_TOKENS = 32  # the prefix routing default (gateway.routing_policy.PrefixAffinity)
 
-
-def _homes(candidates: list[str], workload: SharedPrefixWorkload, workers: int) -> dict[str, str]:
-    """Each candidate tenant's first-choice worker under the prefix policy's rendezvous hash."""
-    from gateway.routing_policy import rendezvous_rank, route_key
-
-    ids = [f"w{i}" for i in range(workers)]
-    out = {}
-    for t in candidates:
-        prompt = workload.system_prompt(t, 0, workload.prompt_seed or 0)
-        out[t] = rendezvous_rank(route_key(t + "\x00", prompt, ROUTE_PREFIX_TOKENS), ids)[0]
-    return out
+# Each tenant's first-choice worker under the prefix policy's rendezvous hash (route key: namespace
+# ``tenant + "\x00"`` and the first ROUTE_PREFIX_TOKENS tokens of its system prompt, over w0..w3),
+# in the order of the lowest tenant numbers homed there. Written down rather than computed: this
+# shared layer does not import the gateway; tests/unit/test_fairness_sim_pool.py recomputes them with
+# `gateway.routing_policy` and fails when the hash would home them elsewhere.
+HOMES = {"w0": ("tenant2", "tenant3", "tenant8"), "w1": ("tenant1",), "w2": ("tenant7",), "w3": ("tenant4",)}
 
 
-def skewed_overload(workers: int = POOL_WORKERS, crowded: int = 3, low_rate: float = 2.0,
-                    duration_s: float = 120.0) -> SharedPrefixWorkload:
-    """`crowded` tenants homed on w0 at `low_rate` req/s each, one tenant homed on each other worker
-    at ``crowded * low_rate`` req/s (rates for the reference server of 2 req/s; module docstring)."""
-    probe = SharedPrefixWorkload(Workload("probe", "", ()), public_tokens=0, system_prompts=1, system_tokens=128,
-                                 prompt_seed=0)
-    homes = _homes([f"tenant{k}" for k in range(1, 400)], probe, workers)
-    on = {f"w{i}": [t for t, h in homes.items() if h == f"w{i}"] for i in range(workers)}
-    chosen = on["w0"][:crowded] + [on[f"w{i}"][0] for i in range(1, workers)]
+def probe_workload() -> SharedPrefixWorkload:
+    """The prompts the homes are computed from: one 128-token system prompt per tenant, seed 0."""
+    return SharedPrefixWorkload(Workload("probe", "", ()), public_tokens=0, system_prompts=1, system_tokens=128,
+                                prompt_seed=0)
+
+
+def skewed_overload(crowded: int = 3, low_rate: float = 2.0, duration_s: float = 120.0) -> SharedPrefixWorkload:
+    """`crowded` (at most 3) tenants homed on w0 at `low_rate` req/s each, one tenant homed on each
+    other worker at ``crowded * low_rate`` req/s (rates for the reference server of 2 req/s; module
+    docstring). Raises ValueError for more crowded tenants than `HOMES` lists."""
+    if not 1 <= crowded <= len(HOMES["w0"]):
+        raise ValueError(f"crowded must be 1..{len(HOMES['w0'])}, got {crowded}")
+    workers = POOL_WORKERS
+    chosen = list(HOMES["w0"][:crowded]) + [HOMES[f"w{i}"][0] for i in range(1, workers)]
     tenants = tuple(TenantLoad(t, low_rate if k < crowded else crowded * low_rate, 128, 256)
                     for k, t in enumerate(chosen))
     base = Workload("pool-skew", f"{workers} workers: {crowded} tenants homed on one worker at {low_rate:g} req/s each, "

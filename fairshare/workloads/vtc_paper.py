@@ -2,11 +2,11 @@
 (OSDI 2024), §5.2 (synthetic workloads): constant overload with 2 and 8 clients, proportional
 under-load, on/off clients, short-prompt/long-output against long-prompt/short-output, increasing
 load and weighted clients. Rates in requests/s for a server of about 2 requests/s of 256/256
-(see `loadtests.workloads.REFERENCE_CAPACITY_RPS`)."""
+(see `fairshare.workloads.REFERENCE_CAPACITY_RPS`)."""
 
 from __future__ import annotations
 
-from loadtests.workloads import TenantLoad, Workload
+from fairshare.workloads import TenantLoad, Workload
 
 SRC = "VTC paper (Sheng et al., OSDI 2024) §5.2"
 

@@ -15,7 +15,7 @@ Rates as in `vtc_paper.py` (about 2 requests/s of 256/256 capacity).
 
 from __future__ import annotations
 
-from loadtests.workloads import TenantLoad, Workload
+from fairshare.workloads import TenantLoad, Workload
 
 SRC = "seed lesson"
 

@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from loadtests.workloads import TenantLoad, Workload
+from fairshare.workloads import TenantLoad, Workload
 
 SRC = "priority tiers (DESIGN.md, Fairness)"
 
