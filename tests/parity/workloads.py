@@ -2,7 +2,7 @@
 
 One definition drives both executors: the reference scheduler (`tests/parity/reference_driver.py`:
 `worker/engine/scheduler.py` with a fake runner) and SGLang 0.5.23's own scheduler on CPU
-(`tests/sglang/sglang_driver.py`). Unlike the simulator's workloads (`loadtests/workloads`: Poisson
+(`tests/sglang/sglang_driver.py`). Unlike the simulator's workloads (`fairshare/workloads`: Poisson
 arrivals in seconds, run against a time model), these are scripts on the iteration axis: request
 `r` arrives at the start of iteration `r.arrival_iter`, so the two executors see the same arrivals
 at the same step and any difference in what they admit is a scheduling difference, not a timing one.

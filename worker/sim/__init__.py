@@ -3,7 +3,7 @@
 
 - `runner.py`: `VirtualClock`, `IterationTimeModel`, `SimulatedRunner` (no torch), `ClockedRunner`.
 - `calibrate.py`: fits the iteration time model from the real runner (needs torch).
-- `driver.py`: runs a workload (loadtests/workloads) under a policy and records an `EventLog`.
+- `driver.py`: runs a workload (fairshare/workloads) under a policy and records an `EventLog`.
 - `pool.py`: a pool of simulated workers behind the gateway's routing policy.
 
 The reports written from these runs (fairness, tiers, KV quotas, pool) live in `loadtests/reports`,
