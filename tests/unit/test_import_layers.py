@@ -71,43 +71,21 @@ class Violation:
         return f"{self.path}:{self.line}: imports {self.module} ({self.source} -> {self.target}: {self.why})"
 
 
-def layer_of_path(rel: str) -> str | None:
-    """The layer of a repository-relative ``.py`` path; None outside the layered packages."""
-    if rel.startswith("fairshare/cli/"):
-        return "cli"
-    if rel.startswith("fairshare/"):
-        return "shared"
-    if rel.startswith("loadtests/"):
-        return "loadtests"
-    if rel.startswith("gateway/"):
-        return "gateway"
-    if rel.startswith("worker/sim/"):
-        return "sim"
-    if rel.startswith("worker/scheduling/"):
-        return "scheduling"
-    if rel.startswith("worker/"):
-        return "worker"
-    return None
+# dotted prefix -> layer, most specific first (a path is turned into its module name and looked up here)
+PREFIX_LAYERS = (("fairshare.cli", "cli"), ("fairshare", "shared"), ("loadtests", "loadtests"),
+                 ("gateway", "gateway"), ("worker.sim", "sim"), ("worker.scheduling", "scheduling"),
+                 ("worker", "worker"), ("torch", "torch"), ("grpc", "grpc"), ("sglang", "sglang"))
 
 
 def layer_of_module(name: str) -> str | None:
-    """The layer (or the framework: torch, grpc, sglang) a dotted module name belongs to."""
-    top = name.split(".")[0]
-    if top in ("torch", "grpc", "sglang"):
-        return top
-    if name == "fairshare.cli" or name.startswith("fairshare.cli."):
-        return "cli"
-    if top == "fairshare":
-        return "shared"
-    if top in ("gateway", "loadtests"):
-        return top
-    if name == "worker.sim" or name.startswith("worker.sim."):
-        return "sim"
-    if name == "worker.scheduling" or name.startswith("worker.scheduling."):
-        return "scheduling"
-    if top == "worker":
-        return "worker"
-    return None
+    """The layer (or the framework: torch, grpc, sglang) a dotted module name belongs to; None for others."""
+    return next((layer for prefix, layer in PREFIX_LAYERS if name == prefix or name.startswith(prefix + ".")), None)
+
+
+def layer_of_path(rel: str) -> str | None:
+    """The layer of a repository-relative ``.py`` path; None outside the layered packages."""
+    layer = layer_of_module(rel.removesuffix(".py").replace("/", "."))
+    return layer if layer not in ("torch", "grpc", "sglang") else None
 
 
 def _package_of(rel: str) -> list[str]:
