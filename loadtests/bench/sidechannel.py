@@ -17,7 +17,7 @@ as a subprocess per arm unless `--addr` is given), in rounds of `batch` pairs:
 The attacker never hits its own cache: every prefix is used by exactly one shared probe, every
 control is fresh, and each probe carries a fresh `cache_salt` as well. TTFT is the attacker's
 view: from sending the call to the first `GenerateResponse` carrying tokens. The statistics
-(`worker.cache.sidechannel`): ROC AUC of a threshold on TTFT (shared = positive) and the best
+(`loadtests.bench.sidechannel_stats`): ROC AUC of a threshold on TTFT (shared = positive) and the best
 threshold's balanced accuracy. Arms: `unsafe` (the worker's experiment-only `--unsafe-global-cache`:
 one global namespace; the leak must show, AUC near 1), `namespaced` (the default; AUC near 0.5),
 `floor` (unsafe cache with a TTFT floor for the interactive tier: the floor masks the timing).
@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.cache.sidechannel import SideChannelResult, analyse, format_report
+from loadtests.bench.sidechannel_stats import SideChannelResult, analyse, format_report
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN_RANGE = (1000, 30000)  # ids drawn uniformly from here (inside the SmolLM2 vocabulary of random-tiny)

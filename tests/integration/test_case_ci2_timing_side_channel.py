@@ -10,7 +10,7 @@ cache. Prefixes are 512 tokens in the unsafe arm (a wide gap, so that CPU hiccup
 2-core machine cannot blur a real leak below the bound) and 256 in the namespaced arm (cheaper
 probes, hence 200 + 200 of them in the time budget).
 The statistic is the ROC AUC of "TTFT below a threshold ⇒ shared" (Mann–Whitney U / n1·n2, ties
-1/2; worker/cache/sidechannel.py):
+1/2; loadtests/bench/sidechannel_stats.py):
 
 - with the worker's experiment-only `--unsafe-global-cache` (one namespace for everybody) the
   leak must be visible: AUC > 0.9. This proves the experiment can see one;
@@ -30,7 +30,7 @@ from __future__ import annotations
 import pytest
 
 from loadtests.bench.sidechannel import ProbeConfig, probe_worker, setup_line, start_worker, stop_worker
-from worker.cache.sidechannel import format_report
+from loadtests.bench.sidechannel_stats import format_report
 
 UNSAFE = ProbeConfig(pairs=80, prefix_tokens=512, suffix_tokens=32, batch=20, seed=1)
 NAMESPACED = ProbeConfig(pairs=200, prefix_tokens=256, suffix_tokens=32, batch=20, seed=2)
