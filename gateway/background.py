@@ -1,4 +1,5 @@
-"""Small asyncio helpers shared by the gateway's background tasks."""
+"""Stopping the gateway's background tasks (health polls, the pool board reader, the replica heartbeat,
+the Redis outage probe): `cancel_and_wait`."""
 
 from __future__ import annotations
 
