@@ -63,6 +63,7 @@ from pathlib import Path
 import grpc
 
 from fairshare import worker_auth
+from fairshare.tiers import DEFAULT_TIER
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.wire import FINISH_ENUMS as _FINISH
 from fairshare.wire import INVALID_METADATA_KEY
@@ -142,7 +143,7 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
         "ignore_eos": bool(s.ignore_eos),
         "skip_special_tokens": True,
         "custom_params": {tenant_mod.CUSTOM_PARAM_KEY: tenant_mod.sign(
-            tenant.id, weight, _TIER_NAMES.get(tenant.tier, "interactive"), secret, rid=rid)},
+            tenant.id, weight, _TIER_NAMES.get(tenant.tier, DEFAULT_TIER), secret, rid=rid)},
     }
     if s.stop:
         sampling["stop"] = list(s.stop)
@@ -344,7 +345,7 @@ def _generate_req_input(**kwargs):
 @dataclass
 class _TenantStats:
     weight: float = 1.0
-    tier: str = "interactive"
+    tier: str = DEFAULT_TIER
     running: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -448,7 +449,7 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = kwargs["rid"]
         tenant = request.tenant
         stats = self.tenants.setdefault(tenant.id, _TenantStats())
-        stats.weight, stats.tier = tenant.weight or 1.0, _TIER_NAMES.get(tenant.tier, "interactive")
+        stats.weight, stats.tier = tenant.weight or 1.0, _TIER_NAMES.get(tenant.tier, DEFAULT_TIER)
         skip = set(self.facts.eos_token_ids) | set(request.sampling.stop_token_ids)
         translator = StreamTranslator(list(request.prompt_token_ids), self.incremental, self.tokenizer,
                                       list(request.sampling.stop), skip)
@@ -534,10 +535,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics (auth refusals, engine failure) on this port (default 0: off)")
     p.add_argument("--metrics-host", default=None, help="address of the metrics server (default: --host)")
-    from worker.cli import add_reliability_arguments
+    from worker.cli import add_kv_quota_arguments, add_reliability_arguments, add_tier_arguments
 
     add_reliability_arguments(p)
+    add_kv_quota_arguments(p)
+    add_tier_arguments(p)
     return p
+
+
+def plugin_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """The plugin's KV quota and tier environment from the reference worker's `--kv-*` and
+    `--tier-*` flags (the same parsing, `worker.cli.kv_quota_settings` / `tier_settings`). Calls
+    `parser.error` on bad values, and for `--iteration-token-target`, which SGLang cannot apply
+    (`update_running_batch` decodes every running request; docs/sglang-backend.md "cannot" 2)."""
+    from worker.cli import kv_quota_settings, tier_settings
+    from worker.sglang_plugin import plugin_env
+
+    kv = kv_quota_settings(parser, args)
+    tiers = tier_settings(parser, args)
+    if tiers["iteration_token_target"] is not None:
+        parser.error("--iteration-token-target: SGLang decodes every running request each step "
+                     "(Scheduler.update_running_batch); not available with --engine sglang")
+    return plugin_env(kv, tiers)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -552,8 +571,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
-def configure_plugin_env(args: argparse.Namespace) -> str:
-    """Export the plugin's settings (inherited by SGLang's spawned schedulers); returns the secret."""
+def configure_plugin_env(args: argparse.Namespace, settings: dict[str, str] | None = None) -> str:
+    """Export the plugin's settings (inherited by SGLang's spawned schedulers): policy, cost, and
+    `settings` (`plugin_settings`: KV quotas, tiers). Returns the secret."""
+    from worker.sglang_plugin import QUOTA_ENV, TIERS_ENV
+
+    for key in (QUOTA_ENV, TIERS_ENV):
+        os.environ.pop(key, None)
+    os.environ.update(settings or {})
     os.environ["FAIRSHARE_SGLANG_POLICY"] = args.policy
     os.environ["FAIRSHARE_SGLANG_ALPHA"] = repr(args.alpha)
     os.environ["FAIRSHARE_SGLANG_BETA"] = repr(args.beta)
@@ -621,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     served_names(parser, args)  # usage errors before anything starts
+    settings = plugin_settings(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
         print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
@@ -640,7 +666,7 @@ def main(argv: list[str] | None = None) -> int:
         verifier = make_verifier(args)
     except SystemExit as exc:
         return int(exc.code or 1)
-    secret = configure_plugin_env(args)
+    secret = configure_plugin_env(args, settings)
     engine = sglang.Engine(**engine_kwargs(args))
     try:
         context_len = getattr(engine.tokenizer_manager, "context_len", None) or args.context_length

@@ -198,10 +198,8 @@ class SGLangDriver(ScriptedDriver):
         self._closed = False
         try:
             ensure_plugin()
-            original = ScheduleBatch.__dict__["_get_decode_retraction_order"].__func__.__wrapped__
             options = {"quantum": drr_quantum} if policy == "drr" else {}
-            self.state = FairShareState(policy, LinearCost(alpha, beta), secret=self.secret,
-                                        retraction_base=original, **options)
+            self.state = FairShareState(policy, LinearCost(alpha, beta), secret=self.secret, **options)
             hooks.set_state(self.state)
             self.scheduler = self._build_scheduler()
         except BaseException:

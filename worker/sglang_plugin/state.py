@@ -24,11 +24,13 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from worker.scheduling.core import OUT_OF_BLOCKS, SchedulingCore
 from worker.scheduling.cost import CostFunction, LinearCost
 from worker.scheduling.policy import SchedulingPolicy, make_policy
+from worker.scheduling.quota import KVQuota, KVQuotaConfig
+from worker.scheduling.tiers import TierShares, validate_min_shares
 from worker.sglang_plugin import tenant as tenant_mod
 from worker.sglang_plugin.tenant import TenantTag
 
@@ -69,25 +71,29 @@ class FairShareState:
     policy: a policy name for `make_policy` (`vtc`, `vtc-pred`, `drr`, `fcfs`) or a
     `SchedulingPolicy`. cost: the cost function (default `LinearCost()`; ignored when a policy
     object is given). secret: HMAC secret for tenant tokens (None: every request is unverified).
-    kv_quotas: soft KV quota per tenant, in tokens, read by the retraction order; tenants without
-    one get their weighted share of the tokens the decode batch holds. retraction_base: SGLang's
-    own retraction order (`reqs -> keep-first indices`), used inside each tenant; None: longest
-    output kept first. returning: returning-tenant preemption (default: every policy but FCFS, as
-    the reference engine builds it). max_skips: memory skips before a reservation.
+    kv_quota: the reference worker's KV quota settings (`KVQuotaConfig`: soft quotas, hard caps,
+    watermark, headroom, in fractions of SGLang's KV pool; None or disabled: off), enforced by the
+    core's admission and victim rules. tier_min_shares / tier_scheduling: the tiers' minimum
+    shares of service and strict priority (`TierShares`, as `fairshare worker` flags them).
+    returning: returning-tenant preemption (default: every policy but FCFS, as the reference
+    engine builds it). max_skips: memory skips before a reservation.
     """
 
     def __init__(self, policy: str | SchedulingPolicy = "vtc", cost: CostFunction | None = None, *,
-                 secret: str | None = None, kv_quotas: dict[str, float] | None = None,
-                 retraction_base: Callable[[list], list[int]] | None = None, returning: bool | None = None,
-                 max_skips: int = 8, **policy_options) -> None:
+                 secret: str | None = None, kv_quota: KVQuotaConfig | None = None,
+                 tier_min_shares: dict[str, float] | None = None, tier_scheduling: bool = True,
+                 returning: bool | None = None, max_skips: int = 8, **policy_options) -> None:
         if isinstance(policy, SchedulingPolicy):
             self.policy = policy
         else:
             self.policy = make_policy(policy, cost or LinearCost(), **policy_options)
         self.cost = self.policy.cost
         self.secret = secret
-        self.kv_quotas = dict(kv_quotas or {})
-        self.retraction_base = retraction_base
+        if kv_quota is not None:
+            kv_quota.validate()
+        self.kv_quota = kv_quota if kv_quota is not None and kv_quota.enabled else None
+        self.tier_min_shares = validate_min_shares(tier_min_shares or {})
+        self.tier_scheduling = tier_scheduling
         self.returning = self.policy.name != "fcfs" if returning is None else returning
         self.max_skips = max_skips
         self.tracked: dict[str, TrackedRequest] = {}
@@ -123,9 +129,12 @@ class FairShareState:
                 total, slots = 1 << 40, 1 << 20
             # SGLang admits whole requests and truncates only the last one (sglang-backend.md
             # "cannot" 1): the core picks at that granularity, a slice = the chunk
+            quota = KVQuota(self.kv_quota, total) if self.kv_quota is not None else None
+            tiers = TierShares(self.tier_min_shares, floor_units=self.cost.max_prefill_rate * chunk / 2,
+                               enabled=self.tier_scheduling)
             self._core = SchedulingCore(self.policy, self.cost, self, total_blocks=total, max_running=slots,
                                         chunk_tokens=chunk, prefill_slice=chunk, max_skips=self.max_skips,
-                                        returning=self.returning)
+                                        quota=quota, returning=self.returning, tiers=tiers)
         return self._core
 
     def bind(self, scheduler) -> None:
@@ -473,40 +482,28 @@ class FairShareState:
 
     # ---- retraction -------------------------------------------------------------------------
     def retraction_order(self, reqs: list) -> list[int]:
-        """Indices of `reqs` from most- to least-preferred to keep (SGLang retracts from the end).
-
-        Over-quota first: the next request to retract is taken from the tenant furthest over its
-        soft KV quota (held tokens / quota, recomputed as requests are taken away; ties by tenant
-        id), and within that tenant it is the one SGLang itself would retract first. So a tenant
-        within its quota loses nothing while an over-quota tenant still holds decoding requests.
-        Held tokens: prompt plus output tokens of each request. Quota: `kv_quotas[tenant]` tokens,
-        else the tenant's weighted share of all tokens held by the batch.
-        """
-        if not reqs:
-            return []
-        base = list(self.retraction_base(reqs)) if self.retraction_base else sorted(
-            range(len(reqs)), key=lambda i: (len(reqs[i].output_ids), -len(reqs[i].origin_input_ids)), reverse=True)
-        groups: dict[str, list[int]] = {}
-        weights: dict[str, float] = {}
-        held: dict[str, float] = {}
-        size = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
-        for i in base:
-            tag = self.tag_of(reqs[i])
-            groups.setdefault(tag.tenant_id, []).append(i)
-            weights[tag.tenant_id] = tag.weight
-            held[tag.tenant_id] = held.get(tag.tenant_id, 0) + size[i]
-        total = sum(held.values())
-        wsum = sum(weights.values())
-        quota = {t: max(1e-9, float(self.kv_quotas.get(t, total * weights[t] / wsum))) for t in groups}
-        retract_first: list[int] = []
-        while groups:
-            t = max(groups, key=lambda u: (held[u] / quota[u], u))
-            i = groups[t].pop()
-            retract_first.append(i)
-            held[t] -= size[i]
-            if not groups[t]:
-                del groups[t]
-        return retract_first[::-1]
+        """Indices of `reqs` from most- to least-preferred to keep (SGLang's
+        `ScheduleBatch.retract_decode` retracts from the end): the scheduling core's victim rule,
+        the reference engine's own (`RoomMaker.victims_in_order`, reason out of blocks, for nobody
+        in particular: the whole decode batch needs room). So the first request retracted is the
+        core's first victim: the lowest tier (of those it may take), with KV quotas the tenant
+        furthest over its soft quota, requests admitted without a memory reservation before those
+        admitted with one, then the newest admission. Requests the core does not hold as running
+        (none in a consistent run) are kept first, in SGLang's order."""
+        core = self.core
+        at: dict[int, int] = {}
+        entries = []
+        unknown = []
+        for i, req in enumerate(reqs):
+            e = core.entries.get(getattr(req, "rid", None))
+            if e is not None and e.running and id(e) not in at:
+                at[id(e)] = i
+                entries.append(e)
+            else:
+                unknown.append(i)
+        entries.sort(key=lambda e: e.order)
+        victims = [at[id(e)] for e in core.room.victims_in_order(entries, None, OUT_OF_BLOCKS)]
+        return unknown + victims[::-1]
 
     # ---- introspection ----------------------------------------------------------------------
     def snapshot(self) -> dict:
