@@ -83,3 +83,40 @@ def test_vtc_order_reaches_the_prefill_adder():
     assert 15 <= sum(r.startswith("w3-") for r in first) <= 20, first
     fcfs = run_sglang(WORKLOADS["weighted"], "fcfs")
     assert all(r.startswith("w1-") for r in fcfs.first_admissions()[:40])
+
+
+def test_the_core_is_told_sglangs_decode_reserve():
+    """The free room the plugin reports to the core is SGLang's own prefill budget: free plus
+    evictable less what `PrefillAdder.__init__` holds back for the running batch
+    (`memory_budget.total_offset`: remaining new tokens times `new_token_ratio`, plus the decodes
+    riding along with mixed chunked prefill). Checked pass by pass against the adder SGLang builds
+    in the same pass, on memory-flood (KV-bound, so the reserve is what decides)."""
+    seen = []
+    with SGLangDriver(WORKLOADS["memory-flood"]) as driver:
+        state = driver.state
+        adder_class = hooks.prefill_adder_class()
+        real_init, real_begin = adder_class.__init__, state.begin_pass
+
+        def begin(scheduler, running_batch):
+            state._batch = running_batch
+            try:
+                seen.append([state.decode_reserve()])
+            finally:
+                state._batch = None
+            return real_begin(scheduler, running_batch)
+
+        def init(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            if seen and len(seen[-1]) == 1:
+                seen[-1].append(self.memory_budget.total_offset)
+
+        state.begin_pass = begin
+        adder_class.__init__ = init
+        try:
+            for _ in range(80):
+                driver.step()
+        finally:
+            adder_class.__init__ = real_init
+    pairs = [p for p in seen if len(p) == 2]
+    assert len(pairs) >= 20 and any(ours > 0 for ours, _ in pairs)
+    assert all(ours == -(-theirs // 1) for ours, theirs in pairs), [p for p in pairs if p[0] != -(-p[1] // 1)][:5]

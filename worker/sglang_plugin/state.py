@@ -39,6 +39,14 @@ log = logging.getLogger("fairshare.sglang_plugin")
 TAG_ATTR = "fairshare_tag"
 
 
+def _clip_max_new_tokens() -> int:
+    """SGLang's `schedule_policy.CLIP_MAX_NEW_TOKENS` (its env `SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`,
+    default 4096), read the same way without importing SGLang."""
+    import os
+
+    return int(os.environ.get("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "4096"))
+
+
 @dataclass
 class TrackedRequest:
     """One live request as the plugin accounts it.
@@ -162,8 +170,38 @@ class FairShareState:
         return int(getattr(kv, "kv_committed_len", 0) or 0) if kv is not None else int(getattr(req, "extend_end", 0) or 0)
 
     def admission_need(self, req) -> int:
-        """Pages a waiting request takes to finish its prefill (its prompt and outputs so far)."""
+        """Pages a waiting request takes from SGLang's prefill budget to be admitted whole: its
+        prompt and outputs so far, plus what `PrefillAdder.add_one_req` reserves beside them (its
+        remaining new tokens, clipped at `CLIP_MAX_NEW_TOKENS`, and one page of overhead). Unbound:
+        its prompt and outputs only."""
         return self._pages(self._total(req))
+
+    @staticmethod
+    def _new_tokens_left(req) -> int:
+        params = getattr(req, "sampling_params", None)
+        max_new = int(getattr(params, "max_new_tokens", 0) or 0)
+        return max(0, min(max_new - len(req.output_ids), _clip_max_new_tokens()))
+
+    def decode_reserve(self) -> int:
+        """Tokens SGLang's `PrefillAdder.__init__` holds back from admissions for the running batch
+        (`memory_budget.total_offset`): each running request's remaining new tokens (clipped) times
+        `new_token_ratio` (1 for `ignore_eos`), plus one token per decode riding along with mixed
+        chunked prefill. The core is told the free room less this, so it plans only admissions
+        SGLang's adder carries out (docs/sglang-backend.md "cannot" 4)."""
+        s = self.scheduler
+        batch = self._batch if self._batch is not None else getattr(s, "running_batch", None)
+        reqs = list(getattr(batch, "reqs", None) or ())
+        if not reqs:
+            return 0
+        tracker = getattr(s, "new_token_ratio_tracker", None)
+        ratio = float(getattr(tracker, "current", 1.0)) if tracker is not None else 1.0
+        total = 0.0
+        for r in reqs:
+            r_ratio = 1.0 if getattr(r.sampling_params, "ignore_eos", False) else ratio
+            total += self._new_tokens_left(r) * r_ratio
+        if getattr(s, "is_mixed_chunk", False):
+            total += len(reqs)
+        return int(-(-total // 1))
 
     def blocks_held(self, req) -> int:
         kv = getattr(req, "kv", None)
@@ -183,7 +221,9 @@ class FairShareState:
         s = self.scheduler
         if s is None:
             return self.core.ledger.total_blocks
-        return (int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())) // self.page_size
+        room = int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())
+        # SGLang admits while the request's tokens are strictly below its budget: one token less
+        return max(0, room - self.decode_reserve() - 1) // self.page_size
 
     def preempt(self, req) -> None:
         """Carry out the core's recompute preemption with SGLang's own functions (as
