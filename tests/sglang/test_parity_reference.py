@@ -83,10 +83,11 @@ ORDER_BLOCKERS = {
               "(docs/sglang-backend.md, cannot 1)"),
     "memory-flood": ("first difference at iteration 3 (75 % equal): the reference gives a victim request the rest "
                      "of the chunk while flood's partial prefill is paused; SGLang keeps one Scheduler.chunked_req, so "
-                     "FairSharePrefillAdder refuses the second partial prefill (cannot 1; 4 of the 25 planned "
-                     "admissions SGLang refused); the other 21 are PrefillAdder.add_one_req reserving the admitted "
-                     "request's own max_new_tokens beside its prompt (cannot 4), which the core is not told: "
-                     "telling it (FairShareState.admission_need + max_new) made the shares worse (34-36 %)"),
+                     "FairSharePrefillAdder refuses the second partial prefill (cannot 1: 11 of the 25 planned "
+                     "admissions SGLang did not carry out); the other 14 are PrefillAdder.add_one_req answering "
+                     "NO_TOKEN: beside the decode reserve the core is told, SGLang's budget reserves each admission's "
+                     "own max_new_tokens plus a page (PrefillAdder._update_prefill_budget, cannot 4); telling the "
+                     "core that too (admission need + max_new + a page) made the shares worse (34-36 %)"),
 }
 SERVICE_BLOCKERS = {
     "on-off": ("6.8 % in iterations 141-199 against the reference's 16-token slices (at SGLang's granularity the "
