@@ -74,6 +74,7 @@ from worker import grpc_server
 from worker.faults import FaultWindow
 from worker.cli import add_served_name_arguments, served_names
 from worker.sglang_plugin import tenant as tenant_mod
+from worker.tracing import RequestTrace
 
 log = logging.getLogger("fairshare.worker.sglang")
 
@@ -342,6 +343,24 @@ def _generate_req_input(**kwargs):
     return GenerateReqInput(**kwargs)
 
 
+_FINISH_NAMES = {v: k for k, v in _FINISH.items()}
+
+
+@dataclass(frozen=True)
+class _StreamTiming:
+    """What `worker.tracing.RequestTrace.observe` reads of an output, as this process sees the stream:
+    seconds since arrival at this worker (queue time from SGLang's meta_info when it reports it)."""
+
+    queued_s: float | None
+    first_token_s: float | None
+    token_ids: object
+
+
+@dataclass(frozen=True)
+class _Usage:
+    cached_tokens: int
+
+
 @dataclass
 class _TenantStats:
     weight: float = 1.0
@@ -365,13 +384,23 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
     no authentication, for tests of the translation only). metrics: a `worker.metrics.WorkerMetrics`
     (default: a fresh one without engine). `faults` trips at the first scheduler failure
     (`scheduler_failed`); `on_failed(reason)` is called then (the server sets health NOT_SERVING).
+    tracer: the OpenTelemetry tracer of the reference worker's spans (`worker.tracing.RequestTrace`:
+    `worker.generate` with `worker.queue` / `worker.prefill` / `worker.decode`; default the global
+    provider's). ttft_floor_s: tier -> seconds; a request's first token is held here until that long
+    after its arrival at this worker (`--ttft-floor`, the reference engine's rule; errors and aborts
+    are never held). The per-tenant stream series (TTFT, queue time, ITL, requests by finish reason,
+    prompt and cached prompt tokens) are the reference worker's (`worker.metrics.WorkerMetrics`).
     """
 
     def __init__(self, engine, facts: ModelFacts, secret: str, policy: str = "vtc", request_factory=None, *,
-                 verifier: worker_auth.Verifier | None = None, metrics=None) -> None:
+                 verifier: worker_auth.Verifier | None = None, metrics=None, tracer=None,
+                 ttft_floor_s: dict[str, float] | None = None) -> None:
         from worker.metrics import WorkerMetrics
+        from worker.tracing import worker_tracer
 
         self.engine = engine
+        self.tracer = tracer if tracer is not None else worker_tracer()
+        self.ttft_floor_s = dict(ttft_floor_s or {})
         self.verifier = verifier
         self.faults = FaultWindow(limit=1)  # one scheduler failure fails this worker
         self.metrics = metrics if metrics is not None else WorkerMetrics(faults=self.faults)
@@ -439,39 +468,74 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         if self.faults.tripped:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has failed: {self.faults.reason}")
+        tenant = request.tenant
+        tier = _TIER_NAMES.get(tenant.tier, DEFAULT_TIER)
+        arrival = time.monotonic()
+        rt = RequestTrace(self.tracer, context.invocation_metadata(), request.request_id, tenant.id,
+                          prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
+                          tier=tier)
         try:
             kwargs = request_to_sglang(request, self.facts, self.secret)
         except InvalidRequest as exc:
+            self._rejected(rt, tenant.id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or kwargs["rid"]
         if request_id in self.live:
+            self._rejected(rt, tenant.id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
         rid = kwargs["rid"]
-        tenant = request.tenant
         stats = self.tenants.setdefault(tenant.id, _TenantStats())
-        stats.weight, stats.tier = tenant.weight or 1.0, _TIER_NAMES.get(tenant.tier, DEFAULT_TIER)
+        stats.weight, stats.tier = tenant.weight or 1.0, tier
         skip = set(self.facts.eos_token_ids) | set(request.sampling.stop_token_ids)
         translator = StreamTranslator(list(request.prompt_token_ids), self.incremental, self.tokenizer,
-                                      list(request.sampling.stop), skip)
+                                      list(request.sampling.stop), skip, arrival=arrival)
+        floor = self.ttft_floor_s.get(tier, 0.0)
         self.live[request_id] = rid
         stats.running += 1
         finished = False
+        outcome, usage = "cancelled", None
+        last_token_at: float | None = None
         generator = self.engine.tokenizer_manager.generate_request(self.request_factory(**kwargs), None)
         try:
             async for out in self._until_failed(generator):
                 msg = translator.feed(out)
                 if msg is None:
                     continue
+                meta = out.get("meta_info") or {}
+                status = None
                 if msg.finish_reason:
-                    finished = True
-                    _, message, status = finish_reason_of(out.get("meta_info") or {})
+                    _, message, status = finish_reason_of(meta)
                     if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and status == 400:
+                        finished, outcome = True, "rejected"
                         if request.sampling.HasField("grammar") and "grammar" in (message or ""):
                             # SGLang's grammar backend could not compile it ("Failed to compile ... grammar")
                             context.set_trailing_metadata(((INVALID_METADATA_KEY, "grammar"),))
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message or "invalid request")
                     if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and (status or 0) >= 500:
+                        finished, outcome = True, "error"
                         await context.abort(grpc.StatusCode.INTERNAL, message or "internal error in SGLang")
+                if msg.token_ids and last_token_at is None and floor > 0:
+                    # TTFT floor: the tier's first token leaves no earlier than arrival + floor (the
+                    # reference engine's rule, Engine._hold); the TTFT reported is the one the client sees
+                    hold = translator.arrival + floor - time.monotonic()
+                    if hold > 0:
+                        await asyncio.sleep(hold)
+                        translator.first_token_s = msg.timings.first_token_s = time.monotonic() - translator.arrival
+                now = time.monotonic()
+                queued_s = meta.get("queue_time")  # SGLang's scheduler queue time (engine_kwargs: enable_metrics)
+                queued_s = float(queued_s) if isinstance(queued_s, (int, float)) else None
+                first_token_s = translator.first_token_s if msg.token_ids and last_token_at is None else None
+                rt.observe(_StreamTiming(queued_s if first_token_s is not None else None, first_token_s,
+                                         msg.token_ids))
+                if msg.token_ids:
+                    if last_token_at is None:
+                        self.metrics.observe_first_token(tenant.id, queued_s, first_token_s)
+                    else:
+                        self.metrics.observe_itl(tenant.id, now - last_token_at, len(msg.token_ids))
+                    last_token_at = now
+                if msg.finish_reason:
+                    finished = True
+                    outcome, usage = _FINISH_NAMES.get(msg.finish_reason, "abort"), msg.usage
                     stats.prompt_tokens += msg.usage.prompt_tokens
                     stats.cached_tokens += msg.usage.cached_prompt_tokens
                     stats.output_tokens += msg.usage.completion_tokens
@@ -480,17 +544,25 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if finished:
                     return
         except ValueError as exc:  # SGLang rejects some requests by raising in generate_request
-            finished = True
+            finished, outcome = True, "rejected"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except SchedulerFailed as exc:
-            finished = True  # (nothing left to abort in SGLang)
+            finished, outcome = True, "error"  # (nothing left to abort in SGLang)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has failed: {exc}")
         finally:
             stats.running -= 1
             self.live.pop(request_id, None)
             if not finished:  # cancelled by the client, or the server is stopping
                 self._abort_sglang(rid)
+            rt.end(outcome, usage=_Usage(usage.cached_prompt_tokens) if usage is not None else None)
+            self.metrics.observe_finish(tenant.id, outcome, usage.prompt_tokens if usage is not None else 0,
+                                        usage.cached_prompt_tokens if usage is not None else 0)
             await generator.aclose()
+
+    def _rejected(self, rt, tenant_id: str) -> None:
+        """A call refused before SGLang saw it: its span and finish counter say `rejected`."""
+        rt.end("rejected")
+        self.metrics.observe_finish(tenant_id, "rejected")
 
     async def Abort(self, request, context):
         await worker_auth.require(self.verifier, worker_auth.abort_claims(request), context,
@@ -537,9 +609,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-host", default=None, help="address of the metrics server (default: --host)")
     from worker.cli import add_kv_quota_arguments, add_reliability_arguments, add_tier_arguments
 
+    from worker.cache.options import add_ttft_floor_argument
+
     add_reliability_arguments(p)
     add_kv_quota_arguments(p)
     add_tier_arguments(p)
+    add_ttft_floor_argument(p)
     return p
 
 
@@ -561,8 +636,10 @@ def plugin_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """`sglang.Engine` keyword arguments for the parsed flags."""
+    # enable_metrics: SGLang then reports each request's scheduler queue time in meta_info
+    # (ReqTimeStats.convert_to_output_meta_info), which splits the worker.queue / worker.prefill spans
     kw: dict = {"model_path": args.model, "tp_size": args.tp_size, "log_level": "error",
-                "skip_tokenizer_init": False}
+                "skip_tokenizer_init": False, "enable_metrics": True}
     for flag, key in (("mem_fraction_static", "mem_fraction_static"), ("max_running", "max_running_requests"),
                       ("chunked_prefill_size", "chunked_prefill_size"), ("context_length", "context_length")):
         value = getattr(args, flag)
@@ -647,6 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     served_names(parser, args)  # usage errors before anything starts
     settings = plugin_settings(parser, args)
+    from worker.cache.options import ttft_floor_settings
+
+    floors = ttft_floor_settings(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
         print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
@@ -671,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         context_len = getattr(engine.tokenizer_manager, "context_len", None) or args.context_length
         facts = read_model_facts(args.model, context_len, served_names(parser, args))
-        servicer = SGLangWorkerServicer(engine, facts, secret, args.policy, verifier=verifier)
+        servicer = SGLangWorkerServicer(engine, facts, secret, args.policy, verifier=verifier,
+                                        ttft_floor_s=floors)
         if args.metrics_port:
             servicer.metrics.serve(args.metrics_host or args.host, args.metrics_port)
         # SGLang's tokenizer manager serves from the engine's own event loop: run the server there.
