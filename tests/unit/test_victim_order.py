@@ -4,22 +4,12 @@ retraction order is it (tests/sglang/test_plugin_state.py checks that side)."""
 
 from __future__ import annotations
 
-from tests.unit.sched_steps import step
+from tests.unit.sched_steps import make_seq, step
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import SamplingParams, Sequence
 from worker.scheduling.cost import LinearCost
 from worker.scheduling.policy import make_policy
 from worker.scheduling.quota import KVQuota, KVQuotaConfig
-
-_n = [0]
-
-
-def seq(tenant, prompt=32, out=64, tier="interactive"):
-    _n[0] += 1
-    return Sequence(f"v{_n[0]}", tenant, [2000 + _n[0]] + [1] * (prompt - 1), SamplingParams(max_tokens=out),
-                    tier=tier, max_tokens=out)
-
 
 def running_scheduler(specs, blocks=100, quota=None):
     """A reference scheduler with `specs` [(tenant, tier)] admitted one per step, in this order, and
@@ -27,7 +17,7 @@ def running_scheduler(specs, blocks=100, quota=None):
     sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(blocks, 16), 512, 16, quota=quota)
     seqs = []
     for tenant, tier in specs:
-        s = seq(tenant, tier=tier)
+        s = make_seq(tenant, 32, 64, tier=tier)
         seqs.append(s)
         sched.add(s)
         step(sched)
