@@ -18,7 +18,7 @@ Targets (SGLang 0.5.23):
 | `sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class(self) -> type` | REPLACE | `FairSharePrefillAdder`: admits exactly the plan (tokens per request), skips the rest, parks the chunk |
 | `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; planned admissions SGLang refused go back to the core's queue; retire requests aborted while waiting |
 | `sglang.srt.managers.scheduler.Scheduler.process_batch_result(self, batch, result)` | AFTER | charge output tokens as `output_ids` grow; retire finished requests |
-| `sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod) | REPLACE | retraction order: over-quota tenants first |
+| `sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod) | REPLACE | retraction order: the core's victim rule (`RoomMaker.victims_in_order`: lowest tier, over-quota tenant, newest admission) |
 """
 
 from __future__ import annotations
