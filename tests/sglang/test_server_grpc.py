@@ -156,13 +156,17 @@ async def test_abort_rpc_and_stream_cancel_abort_in_sglang():
         await server.stop(None)
 
 
+async def _refused_as_invalid(stub, req) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [m async for m in stub.Generate(req, metadata=signed(req))]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_invalid_requests_rejected():
     server, channel, stub, _ = await _serve(FakeEngine())
     try:
         for bad in (_request("bad-1", prompt=()), _request("bad-2", prompt=[5] * 128), _request("bad-3", prompt=[1000])):
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                [m async for m in stub.Generate(bad, metadata=signed(bad))]
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await _refused_as_invalid(stub, bad)
     finally:
         await channel.close()
         await server.stop(None)
@@ -281,10 +285,7 @@ async def test_generate_exports_the_reference_workers_series_and_spans():
         req = _request(max_tokens=4)
         msgs = [m async for m in stub.Generate(req, metadata=signed(req))]
         assert msgs[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
-        bad = _request("r2", prompt=())                      # an empty prompt: refused before SGLang sees it
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            [m async for m in stub.Generate(bad, metadata=signed(bad))]
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await _refused_as_invalid(stub, _request("r2", prompt=()))   # refused before SGLang sees it
     finally:
         await channel.close()
         await server.stop(None)
