@@ -120,3 +120,25 @@ def test_the_core_is_told_sglangs_decode_reserve():
     pairs = [p for p in seen if len(p) == 2]
     assert len(pairs) >= 20 and any(ours > 0 for ours, _ in pairs)
     assert all(ours == -(-theirs // 1) for ours, theirs in pairs), [p for p in pairs if p[0] != -(-p[1] // 1)][:5]
+
+
+def test_kv_hard_cap_is_enforced_in_sglangs_admissions():
+    """The worker's KV quotas reach SGLang's admissions through the core's plan: with flood's hard
+    cap at 30 % of the 4096-token pool, SGLang never runs two of flood's 1024-token requests at once
+    (without quotas it runs up to three), the victim tenant keeps being served, and nothing leaks."""
+    from worker.scheduling.quota import KVQuotaConfig
+
+    def most_flood_running(**options):
+        most = 0
+        with SGLangDriver(WORKLOADS["memory-flood"], **options) as driver:
+            s = driver.scheduler
+            for _ in range(160):
+                rec = driver.step()
+                live = list(s.running_batch.reqs) + ([s.chunked_req] if s.chunked_req is not None else [])
+                most = max(most, sum(1 for r in live if r.fairshare_tag.tenant_id == "flood" and not r.finished()))
+            victim_service = rec.service.get("victim", 0.0)
+        return most, victim_service
+
+    capped, served = most_flood_running(kv_quota=KVQuotaConfig(enabled=True, hard={"flood": 0.3}))
+    free, _ = most_flood_running()
+    assert capped == 1 and free >= 2 and served > 0, (capped, free, served)
