@@ -215,15 +215,27 @@ class FairShareState:
         return n if n > 1 else 0
 
     def prefill_room(self, req, have: int) -> int:
-        return (self.blocks_held(req) + self.free_blocks()) * self.page_size - self._computed(req) - have
+        """Tokens a running prefill can take this pass: its pages and the free room less SGLang's
+        decode reserve, as `PrefillAdder.add_chunked_req` limits a continued chunk; when that is
+        used up, what the pool physically has (SGLang continues a chunk regardless, so that it
+        finishes and frees its KV: `PrefillBudget.available_chunk_tokens`)."""
+        held, computed, page = self.blocks_held(req), self._computed(req), self.page_size
+        room = (held + self.free_blocks()) * page - computed - have
+        if room <= 0 and have == 0 and self.scheduler is not None:
+            room = (held + self._physical_free() // page) * page - computed
+        return room
+
+    def _physical_free(self) -> int:
+        s = self.scheduler
+        return int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())
 
     def free_blocks(self) -> int:
-        s = self.scheduler
-        if s is None:
+        """Pages an admission can get now as SGLang's prefill budget counts them: free plus evictable,
+        less the decode reserve for the running batch (`decode_reserve`) and one token (SGLang
+        admits while a request's tokens are strictly below the budget). Unbound: the whole pool."""
+        if self.scheduler is None:
             return self.core.ledger.total_blocks
-        room = int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())
-        # SGLang admits while the request's tokens are strictly below its budget: one token less
-        return max(0, room - self.decode_reserve() - 1) // self.page_size
+        return max(0, self._physical_free() - self.decode_reserve() - 1) // self.page_size
 
     def preempt(self, req) -> None:
         """Carry out the core's recompute preemption with SGLang's own functions (as
