@@ -86,7 +86,14 @@ class RoomMaker:
                     and self.may_take(req_tier, e)]
         else:
             pool = [e for e in pool if self.may_take(req_tier, e)]
-        while pool:
+        if core.quota is None:  # a fixed order: one sort
+            ranked = sorted(enumerate(pool), key=lambda ie: (-RANK[ie[1].tenant.sched_tier], ie[1].protected, -ie[0]))
+            for _, e in ranked:
+                yield e
+                if e is requester:
+                    return
+            pool = []
+        while pool:  # with KV quotas the tenant furthest over its quota changes as requests go
             lowest = max(RANK[e.tenant.sched_tier] for e in pool)
             tier_pool = [e for e in pool if RANK[e.tenant.sched_tier] == lowest]
             e = None
@@ -214,9 +221,9 @@ class RoomMaker:
             candidates = [e for e in core.running.values() if e.tenant.sched_tier in lower and not e.for_share]
             if not candidates:
                 continue
-            # the victim rule's order (lowest tier, over-quota tenant, unreserved, newest first), as
-            # a stack: the next victim is popped from the end
-            victims = list(self.victims_in_order(candidates, None))[::-1]
+            # the victim rule's order (lowest tier, over-quota tenant, unreserved, newest first),
+            # taken lazily as victims are needed
+            victims = _Lookahead(self.victims_in_order(candidates, None))
             budget = core.chunk_tokens
             planned_slots = planned_blocks = 0  # taken by the heads before this one that fit as it is
             for head in core.projected_heads(tier):
@@ -232,7 +239,7 @@ class RoomMaker:
                     continue
                 plan, freed = [], 0
                 while not self._room_for(head, need + planned_blocks, freed, len(plan) - planned_slots) and victims:
-                    v = victims.pop()   # lowest tier, then newest admission (reserved ones last)
+                    v = victims.take()   # lowest tier, then newest admission (reserved ones last)
                     plan.append(v)
                     freed += self._freed(v)
                 if not self._room_for(head, need + planned_blocks, freed, len(plan) - planned_slots):
@@ -343,3 +350,18 @@ class RoomMaker:
             ret.preemptions += 1
         core.ledger.hold(L.RETURNING, ts.tenant_id, None, 1, need)
         return True
+
+
+class _Lookahead:
+    """An iterator that can say whether it has a next item (truthy while it does); `take()` returns it."""
+
+    def __init__(self, it: Iterator) -> None:
+        self._it = it
+        self._next = next(it, None)
+
+    def __bool__(self) -> bool:
+        return self._next is not None
+
+    def take(self):
+        item, self._next = self._next, next(self._it, None)
+        return item
