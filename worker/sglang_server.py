@@ -346,6 +346,43 @@ def _generate_req_input(**kwargs):
 _FINISH_NAMES = {v: k for k, v in _FINISH.items()}
 
 
+class SchedulerSnapshots:
+    """The SGLang schedulers' FairShare figures in the reference engine's `snapshot()` shape, for
+    `worker.metrics.EngineCollector` (the reference worker's per-tenant and per-tier series).
+
+    Each scheduler process's plugin adds them to `Scheduler.get_internal_state`
+    (`worker.sglang_plugin.hooks.after_get_internal_state`); `snapshot()` asks the tokenizer
+    manager for every data-parallel rank's state on the engine's event loop (`loop`, set by `serve`)
+    and merges them: tenants listed once per rank (the collector sums additive series by tenant),
+    counts summed. Raises RuntimeError without a loop or when no scheduler answers with FairShare
+    figures (the collector then exports nothing for that scrape); waits at most `timeout_s`."""
+
+    ADDITIVE = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "inflight_tokens")
+
+    def __init__(self, engine, timeout_s: float = 2.0) -> None:
+        self.engine = engine
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timeout_s = timeout_s
+
+    def snapshot(self) -> dict:
+        if self.loop is None:
+            raise RuntimeError("no event loop to reach SGLang's tokenizer manager")
+        future = asyncio.run_coroutine_threadsafe(self.engine.tokenizer_manager.get_internal_state(), self.loop)
+        states = [s["fairshare"] for s in future.result(self.timeout_s) if isinstance(s, dict) and "fairshare" in s]
+        if not states:
+            raise RuntimeError("SGLang's schedulers report no FairShare state (is the plugin loaded?)")
+        merged = dict(states[0], tenants=[t for s in states for t in s["tenants"]])
+        for key in self.ADDITIVE:
+            merged[key] = sum(s.get(key, 0) for s in states)
+        merged["iterations"] = max(s.get("iterations", 0) for s in states)
+        reasons: dict[str, int] = {}
+        for s in states:
+            for reason, n in s.get("preemptions_by_reason", {}).items():
+                reasons[reason] = reasons.get(reason, 0) + n
+        merged["preemptions_by_reason"] = reasons
+        return merged
+
+
 @dataclass(frozen=True)
 class _StreamTiming:
     """What `worker.tracing.RequestTrace.observe` reads of an output, as this process sees the stream:
@@ -382,7 +419,8 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
     process sees (streams, usage); the virtual counters live in SGLang's scheduler processes.
     verifier: checks the gateway's token on Generate / Abort (`fairshare.worker_auth.Verifier`; None:
     no authentication, for tests of the translation only). metrics: a `worker.metrics.WorkerMetrics`
-    (default: a fresh one without engine). `faults` trips at the first scheduler failure
+    (default: a fresh one exporting the schedulers' figures, `SchedulerSnapshots`, unless the
+    policy is `off`). `faults` trips at the first scheduler failure
     (`scheduler_failed`); `on_failed(reason)` is called then (the server sets health NOT_SERVING).
     tracer: the OpenTelemetry tracer of the reference worker's spans (`worker.tracing.RequestTrace`:
     `worker.generate` with `worker.queue` / `worker.prefill` / `worker.decode`; default the global
@@ -403,7 +441,10 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.ttft_floor_s = dict(ttft_floor_s or {})
         self.verifier = verifier
         self.faults = FaultWindow(limit=1)  # one scheduler failure fails this worker
-        self.metrics = metrics if metrics is not None else WorkerMetrics(faults=self.faults)
+        self.snapshots = SchedulerSnapshots(engine)
+        if metrics is None:  # the schedulers' figures exist only with the plugin on
+            metrics = WorkerMetrics(self.snapshots if policy != "off" else None, faults=self.faults)
+        self.metrics = metrics
         self.on_failed = None
         self._failed = asyncio.Event()
         self.request_factory = request_factory or _generate_req_input
@@ -686,6 +727,7 @@ async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_time
           f"policy {servicer.policy})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    servicer.snapshots.loop = loop
     sglang_handler = getattr(getattr(tm, "signal_handler_class", None), "running_phase_sigquit_handler", None)
 
     async def failed(reason: str) -> None:
@@ -757,6 +799,7 @@ def main(argv: list[str] | None = None) -> int:
             servicer.metrics.serve(args.metrics_host or args.host, args.metrics_port)
         # SGLang's tokenizer manager serves from the engine's own event loop: run the server there.
         loop = getattr(engine, "loop", None) or asyncio.new_event_loop()
+        servicer.snapshots.loop = loop  # a scrape may come before serve() runs
         loop.run_until_complete(serve(servicer, args.host, args.port, args.drain_timeout,
                                       engine_failure_exit_s=args.engine_failure_exit_s))
     except OSError as exc:

@@ -337,3 +337,38 @@ def test_worker_flags_reach_the_servicer_and_plugin():
     assert ttft_floor_settings(p, args) == {"interactive": 0.2}
     with pytest.raises(SystemExit):
         ttft_floor_settings(p, p.parse_args(["--model", "m", "--ttft-floor", "batch=1", "--ttft-floor", "batch=2"]))
+
+
+async def test_metrics_export_the_schedulers_fairshare_figures_under_the_reference_names():
+    """The SGLang worker's /metrics carries the reference worker's per-tenant and per-tier series,
+    from each scheduler's plugin state (`Scheduler.get_internal_state`, read through the tokenizer
+    manager at scrape time, off the event loop as Prometheus scrapes are)."""
+    from tests.sglang.test_plugin_state import FakeReq, admit_all, make_state
+
+    plugin = make_state()
+    admit_all(plugin, [FakeReq("a1", "A", 40, weight=2.0), FakeReq("g1", "G", 30, tier="background")])
+    plugin.on_arrival(FakeReq("a2", "A", 40, weight=2.0))
+    plugin.policy.charge("A", 80.0, prompt_tokens=40)
+
+    class Manager(FakeTokenizerManager):
+        async def get_internal_state(self):
+            return [{"max_running_requests": 8, "fairshare": plugin.engine_snapshot()}]
+
+    engine = FakeEngine()
+    engine.tokenizer_manager = Manager()
+    server, channel, stub, servicer = await _serve(engine)
+    try:
+        servicer.snapshots.loop = asyncio.get_running_loop()
+        text = (await asyncio.to_thread(servicer.metrics.render)).decode()
+    finally:
+        await channel.close()
+        await server.stop(None)
+    assert _sample(text, "fairshare_worker_running_requests") == 2
+    assert _sample(text, "fairshare_worker_waiting_requests") == 1
+    assert _sample(text, "fairshare_worker_tenant_virtual_counter", tenant="A") == \
+        plugin.policy.accounts["A"].virtual_counter > 0
+    assert _sample(text, "fairshare_worker_tenant_charged_service_units_total", tenant="A") == 80.0
+    assert _sample(text, "fairshare_worker_tenant_waiting_requests", tenant="A") == 1
+    assert _sample(text, "fairshare_worker_tier_running_requests", tier="background") == 1
+    assert _sample(text, "fairshare_worker_tier_min_share", tier="background") == 0.05
+    assert _sample(text, "fairshare_worker_policy_info", policy="vtc") == 1

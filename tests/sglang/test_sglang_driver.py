@@ -142,3 +142,30 @@ def test_kv_hard_cap_is_enforced_in_sglangs_admissions():
     capped, served = most_flood_running(kv_quota=KVQuotaConfig(enabled=True, hard={"flood": 0.3}))
     free, _ = most_flood_running()
     assert capped == 1 and free >= 2 and served > 0, (capped, free, served)
+
+
+def test_get_internal_state_carries_the_schedulers_fairshare_figures():
+    """AFTER `Scheduler.get_internal_state` adds the core's figures in the reference engine's snapshot
+    shape, msgpack-native as SGLang sends them. The driver's Scheduler has no `internal_state`
+    component (built in `Scheduler.__init__`), so the hook is applied to the output that component
+    returns, built with SGLang's own class; that SGLang's method carries the hook is checked too."""
+    import msgspec
+
+    from sglang.srt.managers.io_struct import GetInternalStateReq, GetInternalStateReqOutput
+
+    ensure_plugin()
+    assert inspect.getclosurevars(Scheduler.get_internal_state).nonlocals["hook"] is hooks.after_get_internal_state
+    with SGLangDriver(WORKLOADS["tiers"]) as driver:
+        for _ in range(12):
+            driver.step()
+        out = GetInternalStateReqOutput(internal_state={"max_running_requests": 8})
+        assert hooks.after_get_internal_state(out, driver.scheduler, GetInternalStateReq()) is None
+        snap = out.internal_state["fairshare"]
+        core = driver.state.core
+        assert snap["running"] == len(core.running) > 0 and snap["waiting"] == core.num_waiting() > 0
+        by_tenant = {t["tenant_id"]: t for t in snap["tenants"]}
+        assert by_tenant["bg"]["tier"] == "background" and by_tenant["batch"]["charged_service"] > 0
+        assert by_tenant["inter"]["virtual_counter"] == driver.state.policy.accounts["inter"].virtual_counter
+        assert snap["tiers"]["background"]["min_share"] == 0.05 and snap["kv_blocks_total"] == WORKLOADS["tiers"].engine.kv_tokens
+        assert sum(t["kv_blocks"] for t in snap["tenants"]) > 0
+        msgspec.msgpack.decode(msgspec.msgpack.encode(out.internal_state))

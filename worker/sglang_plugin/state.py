@@ -558,6 +558,42 @@ class FairShareState:
         return unknown + victims[::-1]
 
     # ---- introspection ----------------------------------------------------------------------
+    def engine_snapshot(self) -> dict:
+        """The scheduler's figures in the reference engine's `Engine.snapshot()` shape (what
+        `worker.metrics.EngineCollector` exports): waiting / running requests, KV pages used and
+        total, tokens in flight, iterations, preemptions by reason, the core's tier table, and per
+        tenant its weight, tier, virtual counter, service, tokens, queue, running requests, KV pages
+        held, finished requests, preemptions, quota waits (and the quota's figures with KV quotas).
+        Plain numbers, strings and dicts only (SGLang sends it across processes with msgpack)."""
+        core = self.core
+        blocks: dict[str, int] = {}
+        for e in core.running.values():
+            blocks[e.tenant_id] = blocks.get(e.tenant_id, 0) + self.blocks_held(e.handle)
+        tenants = []
+        for tid, acct in sorted(self.policy.accounts.items()):
+            ts = core.tenants.get(tid)
+            t = {"tenant_id": tid, "weight": acct.weight, "tier": acct.tier,
+                 "virtual_counter": acct.virtual_counter, "charged_service": acct.charged_service,
+                 "prompt_tokens": acct.prompt_tokens, "output_tokens": acct.output_tokens,
+                 "waiting": len(ts.waiting) if ts is not None else 0,
+                 "running": len(ts.running) if ts is not None else 0, "kv_blocks": blocks.get(tid, 0),
+                 "finished": self.finished.get(tid, 0), "preemptions": core.stats.preemptions_by_tenant.get(tid, 0),
+                 "retractions": self.retractions.get(tid, 0), "quota_waits": core.stats.quota_waits.get(tid, 0),
+                 "backlogged": acct.backlogged}
+            if core.quota is not None:
+                t.update(core.quota.state(tid, blocks.get(tid, 0)))
+            tenants.append(t)
+        total = core.ledger.total_blocks
+        used = total - self._physical_free() // self.page_size if self.scheduler is not None else 0
+        return {"waiting": core.num_waiting(), "running": len(core.running), "kv_blocks_used": max(0, used),
+                "kv_blocks_total": total, "kv_block_size": self.page_size, "tenants": tenants,
+                "policy": self.policy.name, "iterations": core.stats.iterations,
+                "inflight_tokens": sum(max(0, tr.prompt_len + tr.max_new_tokens - tr.outputs_charged)
+                                       for tr in self.tracked.values()),
+                "kv_quota": core.quota is not None, "preemptions_by_reason": dict(core.stats.preemptions),
+                "tier_scheduling": core.tiers.enabled, "tiers": core.tier_snapshot(),
+                "plan_refusals": self.plan_refusals}
+
     def snapshot(self) -> dict:
         """Per-tenant counters (for logs and tests)."""
         out = {}
