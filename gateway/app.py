@@ -48,10 +48,10 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from fairshare.aio import cancel_and_wait
+from gateway.background import cancel_and_wait
 from fairshare.config import TenantConfig, Tier
 from fairshare.telemetry import make_tracer_provider
-from fairshare.wire import TIER_ENUMS
+from fairshare.contract import TIER_ENUMS
 from fairshare.v1 import worker_pb2 as pb
 
 from . import schemas

@@ -44,7 +44,7 @@ from typing import Callable
 
 from redis.exceptions import RedisError
 
-from fairshare.aio import cancel_and_wait
+from gateway.background import cancel_and_wait
 from fairshare.config import TenantConfig
 
 from .admission import Admission, Decision, Lease, RateLimitState, bucket_level, bucket_wait_ms

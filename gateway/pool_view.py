@@ -15,7 +15,7 @@ import time
 
 from redis.exceptions import RedisError
 
-from fairshare.aio import cancel_and_wait
+from gateway.background import cancel_and_wait
 from fairshare.pool_board import STALE_MS, SYNC_SCRIPT, board_keys, decode_sync
 
 from .routing_policy import PoolBoard

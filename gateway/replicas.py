@@ -97,7 +97,7 @@ class ReplicaRegistry:
 
     async def stop(self) -> None:
         """Stop the heartbeat and deregister (best effort: an unreachable Redis lets it expire)."""
-        from fairshare.aio import cancel_and_wait
+        from gateway.background import cancel_and_wait
 
         await cancel_and_wait(self._task)
         self._task = None

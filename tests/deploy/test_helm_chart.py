@@ -121,6 +121,8 @@ def test_sglang_engine_needs_gpus(helm):
     (("worker.metrics.port=50051",), "worker.metrics.port must differ"),
     (("worker.kvQuota.enabled=true", "worker.kvQuota.headroom=0.6", "worker.kvQuota.sharedBuffer=0.5"),
      "headroom + sharedBuffer must be < 1"),
+    (("worker.quantization=int4", "worker.dtype=float32"), "needs worker.dtype bfloat16 or auto"),
+    (("worker.quantization=int8", "worker.device=cuda"), "runs on the CPU"),
 ])
 def test_checks_the_schema_cannot_express(helm, sets, message):
     res = helm.template(sets=sets)
@@ -499,15 +501,24 @@ def test_service_monitor_is_optional_and_scrapes_the_metrics_ports(helm):
 
 
 @pytest.mark.parametrize("value_set", GPU_SETS)
-def test_sglang_workers_get_no_reference_only_flags(helm, value_set):
-    """The SGLang worker has no --metrics-port, --kv-* or tier flags: the chart passes none, scrapes none."""
-    docs = helm.render(VALUE_SETS[value_set], ("serviceMonitor.enabled=true",))
+def test_sglang_workers_get_the_flags_the_sglang_worker_accepts(helm, value_set):
+    """The SGLang worker takes the reference worker's --metrics-port, --kv-* and --tier-* flags (its
+    plugin's core applies them), never --iteration-token-target (SGLang decodes every running
+    request each step); the chart passes exactly what `fairshare worker --engine sglang` parses."""
+    from worker.sglang_server import build_parser, plugin_settings
+    from worker.sglang_plugin import state_from_env
+
+    docs = helm.render(VALUE_SETS[value_set], ("serviceMonitor.enabled=true", "worker.kvQuota.enabled=true",
+                                               "worker.kvQuota.softQuotas.batch=0.2", "worker.iterationTokenTarget=32"))
     worker = container(one(docs, "StatefulSet", "worker"), "worker")
-    assert not [a for a in worker["args"] if a.startswith(("--metrics", "--kv-", "--tier-", "--iteration-token"))]
-    assert "metrics" not in {p["name"] for p in worker["ports"]}
-    assert [sm["metadata"]["labels"]["app.kubernetes.io/component"] for sm in of_kind(docs, "ServiceMonitor")] == ["gateway"]
-    res = helm.template(VALUE_SETS[value_set], ("worker.kvQuota.enabled=true",))
-    assert res.returncode != 0 and "FAIRSHARE_SGLANG_KV_QUOTAS" in res.stderr
+    assert "--iteration-token-target" not in worker["args"]
+    assert "metrics" in {p["name"] for p in worker["ports"]}
+    assert sorted(sm["metadata"]["labels"]["app.kubernetes.io/component"] for sm in of_kind(docs, "ServiceMonitor")) \
+        == ["gateway", "worker"]
+    parser = build_parser()
+    args = parser.parse_args(worker["args"])   # exits on anything the SGLang worker refuses
+    state = state_from_env(plugin_settings(parser, args))
+    assert state.kv_quota.soft == {"batch": 0.2} and state.tier_min_shares == {"batch": 0.05, "background": 0.05}
 
 
 def test_kv_quota_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
@@ -553,6 +564,25 @@ def test_tier_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
     assert tier_settings(parser, parser.parse_args(args))["tier_scheduling"] is False
     res = helm.template(sets=("worker.tiers.minShares.background=1.5",))
     assert res.returncode != 0 and "minShares" in res.stderr
+
+
+def test_weight_format_values_become_worker_flags_the_worker_accepts(helm):
+    """worker.dtype / worker.quantization / worker.threads reach the reference worker as --dtype /
+    --quantization / --threads, parsed by the worker's own parser and format check."""
+    from worker.cli import build_parser, format_settings
+
+    parser = build_parser()
+    args = container(one(helm.render(), "StatefulSet", "worker"), "worker")["args"]
+    parsed = parser.parse_args(args)
+    format_settings(parser, parsed)  # exits on a combination the worker refuses
+    assert (parsed.dtype, parsed.quantization, parsed.threads) == ("auto", "auto", None)  # the defaults
+    args = container(one(helm.render(sets=("worker.dtype=bfloat16", "worker.quantization=int8", "worker.threads=2")),
+                         "StatefulSet", "worker"), "worker")["args"]
+    parsed = parser.parse_args(args)
+    format_settings(parser, parsed)
+    assert (parsed.dtype, parsed.quantization, parsed.threads) == ("bfloat16", "int8", 2)
+    res = helm.template(sets=("worker.quantization=int3",))
+    assert res.returncode != 0 and "quantization" in res.stderr
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)
