@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="late health polls in a row before a SERVING worker leaves routing (default 3; "
                         "NOT_SERVING, draining and a refused connection take it out at once)")
     p.add_argument("--routing", choices=["fair", "prefix", "least-loaded"],
-                   help="fair (default: prefix affinity, spilling tenants whose pool-wide share lags), prefix "
+                   help="fair (default: prefix affinity, spilling a tenant that queues at home by pool-wide deficit), prefix "
                         "(tenant namespace + prompt head affinity with a load bound) or least-loaded")
     p.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
                    help="prompt tokens in the prefix route key (default 32; 0: tenant affinity only)")
