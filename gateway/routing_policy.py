@@ -26,12 +26,13 @@ Three policies (`--routing`):
 - ``fair``: ``prefix``, plus *spill* for tenants that would queue at their affine worker while the
   pool could serve them sooner (`FairRouting`): workers publish, per tenant, the pool-wide virtual
   counter they order by and whether the tenant is backlogged there (`PoolBoard`, fed from Redis in
-  the gateway and from the simulated workers in the simulator). A request of a tenant backlogged at
-  its affine worker goes, from the first queued request on, to a worker where nobody queues and that
+  the gateway and from the simulated workers in the simulator). From the first queued request on, a
+  request of a tenant backlogged at its affine worker goes to a worker where nobody queues and that
   holds at least `slack_tokens` fewer in-flight tokens (spare capacity: a work-conserving pool must
-  not keep free slots for the tenants homed there while another tenant queues), else to a worker
-  where its pool-wide counter is below every backlogged same-tier rival's by more than `spill_units`
-  (first in line there). This is the router half of FairShare's pool fairness (the worker half:
+  not keep free slots for the tenants homed there while another tenant queues); else, when its
+  affine worker has a queue or it is backlogged somewhere, a request goes to a worker where its
+  pool-wide counter is below every backlogged same-tier rival's by more than `spill_units` (first
+  in line there). This is the router half of FairShare's pool fairness (the worker half:
   `worker.scheduling.pool`); the structure follows D²LPM (Cao et al., "Locality-aware Fair
   Scheduling in LLM Serving", arXiv 2501.14312: locality-first dispatch that a fairness deficit
   overrides, within a load bound), with VTC's pool-wide counters as the deficit (docs/fairness.md,
@@ -220,21 +221,23 @@ class PrefixAffinity(RoutingPolicy):
 class FairRouting(PrefixAffinity):
     """`PrefixAffinity` plus spill by pool-wide deficit (module docstring).
 
-    Both rules read the workers' reports (`PoolBoard`) and apply only to a tenant the board shows
-    backlogged at the request's affine worker (its request would queue there behind its own), so an
+    Both rules read the workers' reports (`PoolBoard`) and apply only where somebody queues, so an
     uncontended pool keeps its affinity:
 
-    - spare capacity (`spare_target`): some worker has no backlogged same-tier tenant (no queue:
-      it has free slots) and holds at least `slack_tokens` fewer in-flight tokens than the affine
-      worker after taking the request; the request goes to the least-loaded such worker, where it
-      starts at once. This acts from the first queued request, before any service difference builds
+    - spare capacity (`spare_target`), for a tenant the board shows backlogged at the request's
+      affine worker (its request would queue there behind its own): some worker has no backlogged
+      same-tier tenant (no queue: it has free slots) and holds at least `slack_tokens` fewer
+      in-flight tokens than the affine worker after taking the request; the request goes to the
+      least-loaded such worker, where it starts at once. This acts from the first queued request, before any service difference builds
       up: without it a worker whose own tenants leave slots free serves them alone while a tenant
       queues elsewhere, and they run ahead of the pool (`slack_tokens` is the locality bound: as in
       `PrefixAffinity.bound`, affinity is kept unless it costs more imbalance than that).
-    - first in line (`lag_target`): on some worker where the tenant is not backlogged, its pool-wide
-      virtual counter is more than `spill_units` below the counter of every backlogged same-tier
-      tenant; the request goes to the worker where that margin is largest: the pool-wide counters put
-      it first in that worker's queue, ahead of the tenants that lead it (VTC's choice, made pool-wide).
+    - first in line (`lag_target`), when the affine worker has a queue or the tenant is backlogged
+      somewhere: on some other worker where the tenant is not backlogged, its pool-wide virtual
+      counter is more than `spill_units` below the counter of every backlogged same-tier tenant; the
+      request goes to the worker where that margin is largest: the pool-wide counters put it first in
+      that worker's queue, ahead of the tenants that lead it (VTC's choice, made pool-wide; tenants
+      that only run there do not compete for its next slot).
 
     board: a callable returning the current `PoolBoard`. spill_units: the counter margin (weighted
     service units, >= 0; 0: first in line by any margin). Raises ValueError on bad parameters.
@@ -298,7 +301,8 @@ class FairRouting(PrefixAffinity):
             if target is not None:
                 return target
         if queued or board.backlogged(request.tenant_id):
-            return self.lag_target(request, candidates, board)
+            target = self.lag_target(request, candidates, board)
+            return None if target is home else target  # first in line at home: no spill
         return None
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]):
