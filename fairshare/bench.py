@@ -90,6 +90,9 @@ def _engine_tokens(engine, batch: int, prompt_len: int, new_tokens: int) -> tupl
 
 def _ours(params: dict) -> dict:
     """In a child process: build the engine as the worker does, run every batch size."""
+    from worker.cli import passive_thread_wait
+
+    passive_thread_wait()  # as `fairshare worker` does, before torch loads (llama.cpp's child keeps its own)
     import torch
 
     from worker.cli import release_freed_memory
