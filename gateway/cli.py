@@ -10,7 +10,7 @@ Gateway
                                                         # its A/AAAA records, re-resolved), file:///path
                       [--discovery-interval-s 5] [--unhealthy-after 3]
                       [--routing fair|prefix|least-loaded] [--route-prefix-tokens 32]
-                      [--route-load-factor 1.25] [--route-slack-tokens 4096] [--route-spill-units 1024]
+                      [--route-load-factor 1.25] [--route-slack-tokens 4096] [--route-spill-units 0]
                       [--redis-url redis://127.0.0.1:6379/0] [--redis-cluster]
                       [--secret-file FILE]              # server secret (alternative: FAIRSHARE_SECRET)
                       [--keys-file FILE]                # default: <tenants stem>.keys.yaml next to FILE
@@ -148,16 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="late health polls in a row before a SERVING worker leaves routing (default 3; "
                         "NOT_SERVING, draining and a refused connection take it out at once)")
     p.add_argument("--routing", choices=["fair", "prefix", "least-loaded"],
-                   help="fair (default: prefix affinity, spilling tenants whose pool-wide share lags), prefix "
+                   help="fair (default: prefix affinity, spilling a tenant that queues at home by pool-wide deficit), prefix "
                         "(tenant namespace + prompt head affinity with a load bound) or least-loaded")
     p.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
                    help="prompt tokens in the prefix route key (default 32; 0: tenant affinity only)")
     p.add_argument("--route-load-factor", dest="route_load_factor", type=float,
                    help="a worker over factor x mean in-flight tokens + slack gets no affine request (default 1.25)")
     p.add_argument("--route-slack-tokens", dest="route_slack_tokens", type=int,
-                   help="in-flight tokens a worker may hold above the bound's mean share (default 4096)")
+                   help="in-flight tokens a worker may hold above the bound's mean share; fair routing: how much lighter a worker with no queue must be to take a tenant queued at home (default 4096)")
     p.add_argument("--route-spill-units", dest="route_spill_units", type=float,
-                   help="fair routing: lag in weighted service units beyond which a tenant spills (default 1024)")
+                   help="fair routing: a tenant queued at home spills to a worker where its pool-wide counter is below every queued rival's by more than this many weighted service units (default 0)")
     p.add_argument("--redis-url", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")
     p.add_argument("--redis-cluster", dest="redis_cluster", action="store_true", default=None,
                    help="the URL names a node of a Redis Cluster")
