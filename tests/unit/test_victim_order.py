@@ -11,6 +11,7 @@ from worker.scheduling.cost import LinearCost
 from worker.scheduling.policy import make_policy
 from worker.scheduling.quota import KVQuota, KVQuotaConfig
 
+
 def running_scheduler(specs, blocks=100, quota=None):
     """A reference scheduler with `specs` [(tenant, tier)] admitted one per step, in this order, and
     decoding."""
@@ -20,7 +21,12 @@ def running_scheduler(specs, blocks=100, quota=None):
         s = make_seq(tenant, 32, 64, tier=tier)
         seqs.append(s)
         sched.add(s)
-        step(sched)
+        # a lower tier's prefill may take several steps beside a higher tier (its token target)
+        for _ in range(64):
+            step(sched)
+            if s.request_id in sched.core.running and s.output_token_ids:
+                break
+        assert s.request_id in sched.core.running, f"{s.request_id} ({tier}) admitted and decoding within 64 steps"
     assert len(sched.core.running) == len(specs), "every request admitted and running"
     return sched, seqs
 
