@@ -6,7 +6,7 @@ drops the members that expired and returns how many are left: the replicas alive
 included. A replica that stops cleanly removes itself; one that dies expires within ``ttl_s``.
 Redis's clock is the only one used, so replicas' clocks may differ.
 
-The count feeds the ``degrade`` outage policy (`gateway.outage.LocalAdmission`): while Redis is
+The count feeds the ``degrade`` outage policy (`gateway.local_buckets.LocalAdmission`): while Redis is
 down each replica admits against ``limit / replicas``, ``replicas`` being the live count *last seen
 before the outage* (Redis is unreachable during it), and never less than ``--replicas``
 (``FAIRSHARE_GATEWAY_REPLICAS``, default 1: a floor an operator may raise when replicas start
