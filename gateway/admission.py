@@ -44,9 +44,9 @@ from typing import Callable
 
 from redis.exceptions import RedisError
 
-from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig
 
+from .background import Background
 from .local_buckets import LocalAdmission
 from .redis_buckets import Decision, Lease, RedisAdmission
 
@@ -85,7 +85,7 @@ class AdmissionControl:
         self.live: dict[str, Lease] = {}  # leases of this replica not yet released, by lease id
         self.owed: dict[str, tuple[str, int, int | None]] = {}  # Redis releases to make: id -> (tenant, refund, tpm)
         self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._loop = Background("admission-control", self._run)
         self._recover_lock = asyncio.Lock()
         admission.on_scripts_lost = self._scripts_lost
         self._gauge()
@@ -291,13 +291,11 @@ class AdmissionControl:
 
     def start(self) -> None:
         """Start renewing leases (and probing Redis while it is down) on the running loop."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="admission-control")
+        self._loop.start()
 
     async def stop(self) -> None:
         """Stop the background task."""
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._loop.stop()
 
 
 __all__ = ["REDIS_ERRORS", "AdmissionControl", "RedisUnavailable"]
