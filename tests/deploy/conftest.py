@@ -26,31 +26,30 @@ VALUE_SETS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _tool(find, what: str):
+    """`find()`'s result; a ToolError fails the tests that need the tool, saying which."""
+    try:
+        return find()
+    except tools.ToolError as e:
+        pytest.fail(f"{what} is required for the deployment tests: {e}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def helm_bin() -> str:
     """Path of a working helm (downloaded and cached on first use; a failure fails the tests)."""
-    try:
-        return str(tools.helm())
-    except tools.ToolError as e:
-        pytest.fail(f"helm is required for the deployment tests: {e}", pytrace=False)
+    return str(_tool(tools.helm, "helm"))
 
 
 @pytest.fixture(scope="session")
 def compose_cmd() -> list[str]:
     """Command prefix of a Compose v2 CLI."""
-    try:
-        return tools.compose()
-    except tools.ToolError as e:
-        pytest.fail(f"a Compose v2 CLI is required for the deployment tests: {e}", pytrace=False)
+    return _tool(tools.compose, "a Compose v2 CLI")
 
 
 @pytest.fixture(scope="session")
 def hadolint_bin() -> str:
     """Path of a working hadolint."""
-    try:
-        return str(tools.hadolint())
-    except tools.ToolError as e:
-        pytest.fail(f"hadolint is required for the deployment tests: {e}", pytrace=False)
+    return str(_tool(tools.hadolint, "hadolint"))
 
 
 class Helm:

@@ -17,6 +17,7 @@ The worker runs at most 4 sequences at once (`--max-running 4`), so that 20 outs
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,13 @@ def start_up(state_dir: Path, *extra: str, model: str = "smollm2",
     consecutive free ports), once its banner is printed. Raises UpNotReady (it is stopped first) when
     it exits or is not ready within `timeout_s`."""
     return UpProcess(state_dir, *extra, model=model, command=fairshare_command(), workers=workers).start(timeout_s)
+
+
+def stop_cleanly(up: UpProcess, info: dict) -> None:
+    """SIGTERM `fairshare up`: it exits 0 without a traceback and nothing it started runs on."""
+    assert up.stop(signal.SIGTERM) == 0, up.output[-2000:]
+    assert "Traceback" not in up.output
+    assert_all_stopped(up, info)
 
 
 def assert_all_stopped(up: UpProcess, info: dict) -> None:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from fairshare.procs import free_port, port_in_use
-from tests.e2e.conftest import ROOT, assert_all_stopped, fairshare_command, start_up
+from tests.e2e.conftest import ROOT, fairshare_command, start_up, stop_cleanly
 
 
 def write_atomically(path, text: str) -> None:
@@ -60,9 +60,7 @@ def test_first_run_second_run_sigterm_and_a_dying_child(tmp_path):
     except BaseException:
         up.kill()
         raise
-    assert up.stop(signal.SIGTERM) == 0, up.output[-2000:]
-    assert "Traceback" not in up.output
-    assert_all_stopped(up, info)
+    stop_cleanly(up, info)
     assert not (state / "run.json").exists()
 
     up2 = start_up(state, model="random-tiny", timeout_s=TINY_START_TIMEOUT_S)
@@ -96,9 +94,7 @@ def test_first_run_second_run_sigterm_and_a_dying_child(tmp_path):
     except BaseException:
         up2.kill()
         raise
-    assert up2.stop(signal.SIGTERM) == 0, up2.output[-2000:]
-    assert "Traceback" not in up2.output
-    assert_all_stopped(up2, info3)
+    stop_cleanly(up2, info3)
 
 
 @pytest.mark.parametrize("which", [("--port",), ("--worker-port", "--redis-port"),

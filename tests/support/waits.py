@@ -25,11 +25,27 @@ def _describe(what: str | Callable[[], str]) -> str:
         return f"(describing the state failed: {exc!r})"
 
 
-def _failure(what, timeout_s: float, last: Any, error: BaseException | None) -> AssertionError:
-    msg = f"state never reached within {timeout_s:g} s: {_describe(what)}; last value {last!r}"
-    if error is not None:
-        msg += f"; last error {error!r}"
-    return AssertionError(msg)
+class _Poll:
+    """One wait's bookkeeping: the last value and ignored error seen, and the deadline's verdict."""
+
+    def __init__(self, what, timeout_s: float, ignore: tuple[type[BaseException], ...], now: Callable[[], float]):
+        self.what, self.timeout_s, self.ignore, self.now = what, timeout_s, ignore, now
+        self.deadline = now() + timeout_s
+        self.last: Any = None
+        self.error: BaseException | None = None
+
+    def seen(self, value: Any) -> bool:
+        """Record a probe's value; True when it is the state waited for."""
+        self.last, self.error = value, None
+        return bool(value)
+
+    def give_up_if_late(self) -> None:
+        """AssertionError naming the state, the last value and the last ignored error, past the deadline."""
+        if self.now() > self.deadline:
+            msg = f"state never reached within {self.timeout_s:g} s: {_describe(self.what)}; last value {self.last!r}"
+            if self.error is not None:
+                msg += f"; last error {self.error!r}"
+            raise AssertionError(msg)
 
 
 def wait_for(predicate: Callable[[], Any], what: str | Callable[[], str], timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -40,18 +56,14 @@ def wait_for(predicate: Callable[[], Any], what: str | Callable[[], str], timeou
     in the AssertionError raised when `timeout_s` seconds pass without it. ignore: exception types a
     probe may raise meanwhile ("not yet", e.g. a worker that does not answer yet); others propagate.
     """
-    deadline = time.monotonic() + timeout_s
-    last, error = None, None
+    poll = _Poll(what, timeout_s, ignore, time.monotonic)
     while True:
         try:
-            last = predicate()
-            error = None
-            if last:
-                return last
+            if poll.seen(predicate()):
+                return poll.last
         except ignore as exc:
-            error = exc
-        if time.monotonic() > deadline:
-            raise _failure(what, timeout_s, last, error)
+            poll.error = exc
+        poll.give_up_if_late()
         time.sleep(interval_s)
 
 
@@ -59,21 +71,15 @@ async def wait_for_async(predicate: Callable[[], Any], what: str | Callable[[], 
                          timeout_s: float = DEFAULT_TIMEOUT_S, interval_s: float = 0.01,
                          ignore: tuple[type[BaseException], ...] = ()) -> Any:
     """`wait_for` in a coroutine: `predicate` may be a plain or an async function; polls with asyncio.sleep."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    last, error = None, None
+    poll = _Poll(what, timeout_s, ignore, asyncio.get_running_loop().time)
     while True:
         try:
-            last = predicate()
-            if inspect.isawaitable(last):
-                last = await last
-            error = None
-            if last:
-                return last
+            value = predicate()
+            if poll.seen(await value if inspect.isawaitable(value) else value):
+                return poll.last
         except ignore as exc:
-            error = exc
-        if loop.time() > deadline:
-            raise _failure(what, timeout_s, last, error)
+            poll.error = exc
+        poll.give_up_if_late()
         await asyncio.sleep(interval_s)
 
 

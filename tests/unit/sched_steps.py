@@ -1,6 +1,20 @@
-"""Shared helper for tests that drive the real Scheduler without a model."""
+"""Shared helpers for tests that drive the real Scheduler without a model."""
 
-from worker.engine.sequence import FinishReason
+import itertools
+
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from worker.engine.sequence import FinishReason, SamplingParams, Sequence
+
+_ids = itertools.count(1)
+
+
+def make_seq(tenant: str, prompt_len: int, max_tokens: int = 8, weight: float = 1.0) -> Sequence:
+    """A request of `tenant` with prompt tokens 1..prompt_len and at most `max_tokens` output tokens;
+    request ids q1, q2, ... are unique across the test session."""
+    return Sequence(f"q{next(_ids)}", tenant, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
+                    weight=weight, max_tokens=max_tokens)
 
 
 def step(sched):
@@ -16,3 +30,21 @@ def step(sched):
             if len(s.output_token_ids) >= s.max_tokens:
                 sched.finish(s, FinishReason.LENGTH)
     return chunks
+
+
+class CancelAndStepRules:
+    """Hypothesis rules the scheduler state machines share (mixed into a RuleBasedStateMachine that
+    sets `self.sched` and `self.live`, the requests not yet finished, and defines `_step()`)."""
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1000))
+    def cancel(self, i):
+        """The client of one live request goes away."""
+        s = self.live.pop(i % len(self.live))
+        self.sched.finish(s, FinishReason.ABORT)
+
+    @rule(k=st.integers(1, 12))
+    def steps(self, k):
+        """`k` engine steps."""
+        for _ in range(k):
+            self._step()

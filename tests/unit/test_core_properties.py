@@ -25,8 +25,9 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tests.unit.sched_steps import CancelAndStepRules
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -41,7 +42,7 @@ WINDOW = 100
 TOP_UP_ITERATIONS = 400
 
 
-class CoreMachine(RuleBasedStateMachine):
+class CoreMachine(CancelAndStepRules, RuleBasedStateMachine):
     @initialize(n_tenants=st.integers(2, 4), blocks=st.sampled_from([24, 48, 96]),
                 chunk=st.sampled_from([64, 128]), max_running=st.sampled_from([3, 4, 8]),
                 decode_target=st.sampled_from([None, 2, 3]), quota=st.booleans(),
@@ -93,17 +94,6 @@ class CoreMachine(RuleBasedStateMachine):
     @rule(t=st.integers(0, 3), prompt=st.integers(1, 400), out=st.integers(1, 40))
     def arrive(self, t, prompt, out):
         self._arrive(f"t{t % len(self.tenants)}", min(prompt, self.max_prompt), out)
-
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 1000))
-    def cancel(self, i):
-        s = self.live.pop(i % len(self.live))
-        self.sched.finish(s, FinishReason.ABORT)
-
-    @rule(k=st.integers(1, 12))
-    def steps(self, k):
-        for _ in range(k):
-            self._step()
 
     def _step(self):
         before = {t: ts.backlogged for t, ts in self.core.tenants.items()}

@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
+from tests.unit.sched_steps import make_seq
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from worker.engine.sequence import FinishReason, SequenceStatus
 from worker.scheduling.cost import LinearCost, ProfiledCost, make_cost
 from worker.scheduling.drr import DRRPolicy
 from worker.scheduling.eligibility import EligibilityGate
@@ -147,13 +148,9 @@ def test_gate_counts_one_skip_per_iteration_then_reserves():
 
 
 # ---- scheduler: prefill split and eligibility ------------------------------------------------------------
-_n = [0]
-
-
 def seq(tenant, prompt_len, weight=1.0, max_tokens=4):
-    _n[0] += 1
-    return Sequence(f"q{_n[0]}", tenant, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
-                    weight=weight, max_tokens=max_tokens)
+    """A request of `tenant` (four output tokens unless told)."""
+    return make_seq(tenant, prompt_len, max_tokens=max_tokens, weight=weight)
 
 
 def commit(sched, chunks):

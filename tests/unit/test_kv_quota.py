@@ -5,10 +5,10 @@ Drive the real Scheduler, BlockManager and KVQuota directly (no model), like tes
 
 import pytest
 
-from tests.unit.sched_steps import step
+from tests.unit.sched_steps import make_seq as seq, step
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from worker.engine.sequence import FinishReason, SequenceStatus
 from worker.scheduling.cost import LinearCost
 from worker.scheduling.policy import make_policy
 from worker.scheduling.quota import KVQuota, KVQuotaConfig
@@ -29,15 +29,6 @@ def make(blocks=64, quota=True, budget=256, policy="vtc", **qcfg):
 
     sched._preempt = record
     return sched, bm, q
-
-
-_n = [0]
-
-
-def seq(tenant, prompt_len, max_tokens=8, weight=1.0):
-    _n[0] += 1
-    return Sequence(f"q{_n[0]}", tenant, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
-                    weight=weight, max_tokens=max_tokens)
 
 
 def check_accounting(sched, bm):

@@ -9,9 +9,10 @@ Prompts are drawn from a few shared prefixes (per tenant namespaces, one salt sh
 tenants' namespaces never), so cache hits, splits and evictions happen."""
 
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from worker.cache.radix import RadixCache
+from tests.unit.sched_steps import CancelAndStepRules
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -25,7 +26,7 @@ TENANTS = ("a", "b", "c")
 PREFIXES = [[(7 * j) % 97 + 1 for j in range(300)], [(7 * j) % 97 + 1 for j in range(40)] + [5] * 260, [3] * 300]
 
 
-class KVMachine(RuleBasedStateMachine):
+class KVMachine(CancelAndStepRules, RuleBasedStateMachine):
     @initialize(quota=st.booleans(), budget=st.sampled_from([32, 128, 512]),
                 soft=st.sampled_from([{}, {"a": 0.05, "b": 0.05, "c": 0.05}, {"a": 0.6}]),
                 cache=st.booleans(), public=st.booleans())
@@ -59,17 +60,6 @@ class KVMachine(RuleBasedStateMachine):
                      max_tokens=out, cache_namespace=tenant + "/" + salt)
         self.sched.add(s)
         self.live.append(s)
-
-    @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 1000))
-    def abort(self, i):
-        s = self.live.pop(i % len(self.live))
-        self.sched.finish(s, FinishReason.ABORT)
-
-    @rule(k=st.integers(1, 8))
-    def steps(self, k):
-        for _ in range(k):
-            self._step()
 
     def _step(self):
         for c in self.sched.schedule():
@@ -122,6 +112,23 @@ KVMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, 
 TestKVQuotaStateMachine = KVMachine.TestCase
 
 
+# The trace the state machine found (consecutive step rules merged): a number is that many engine
+# steps; tenant/prompt/out/weight/prefix/salt is one arrival.
+RECLAIM_LIVELOCK = """1 a/178/45/1/0/ 5 a/403/48/1/0/ 3 a/4/42/1/0/ 30 c/494/33/2/2/ c/388/8/2/2/ 3
+c/287/34/1/0/ 13 c/442/60/1/1/ 6 a/296/45/1/1/s 1 a/447/47/2/2/s 2 b/434/22/1/1/ 6"""
+
+
+def replay(machine: KVMachine, trace: str) -> None:
+    """Run a trace written as RECLAIM_LIVELOCK is on `machine` (already set up)."""
+    for word in trace.split():
+        if word.isdigit():
+            machine.steps(k=int(word))
+            continue
+        tenant, prompt, out, weight, prefix, salt = word.split("/")
+        machine.arrive(tenant=tenant, prompt=int(prompt), out=int(out), weight=float(weight),
+                       prefix=int(prefix), salt=salt)
+
+
 def test_reclaimed_room_goes_to_the_tenant_it_was_reclaimed_for():
     """Regression (found by the state machine): reclaim preempted an over-quota tenant's request for
     a within-quota tenant's head, but a third tenant's burst took the freed blocks first; the
@@ -129,33 +136,5 @@ def test_reclaimed_room_goes_to_the_tenant_it_was_reclaimed_for():
     room made by reclaim is now held for the tenant it was made for during that iteration."""
     m = KVMachine()
     m.setup(quota=True, budget=32, public=True, cache=False, soft={'a': 0.6})
-    m.steps(k=1)
-    m.arrive(tenant='a', prompt=178, out=45, weight=1.0, prefix=0, salt='')
-    m.steps(k=5)
-    m.arrive(tenant='a', prompt=403, out=48, weight=1.0, prefix=0, salt='')
-    m.steps(k=3)
-    m.arrive(tenant='a', prompt=4, out=42, weight=1.0, prefix=0, salt='')
-    m.steps(k=2)
-    m.steps(k=1)
-    m.steps(k=2)
-    m.steps(k=1)
-    m.steps(k=5)
-    m.steps(k=3)
-    m.steps(k=8)
-    m.steps(k=8)
-    m.arrive(tenant='c', prompt=494, out=33, weight=2.0, prefix=2, salt='')
-    m.arrive(tenant='c', prompt=388, out=8, weight=2.0, prefix=2, salt='')
-    m.steps(k=3)
-    m.arrive(tenant='c', prompt=287, out=34, weight=1.0, prefix=0, salt='')
-    m.steps(k=8)
-    m.steps(k=5)
-    m.arrive(tenant='c', prompt=442, out=60, weight=1.0, prefix=1, salt='')
-    m.steps(k=2)
-    m.steps(k=4)
-    m.arrive(tenant='a', prompt=296, out=45, weight=1.0, prefix=1, salt='s')
-    m.steps(k=1)
-    m.arrive(tenant='a', prompt=447, out=47, weight=2.0, prefix=2, salt='s')
-    m.steps(k=2)
-    m.arrive(tenant='b', prompt=434, out=22, weight=1.0, prefix=1, salt='')
-    m.steps(k=6)
+    replay(m, RECLAIM_LIVELOCK)
     m.teardown()  # asserts that everything drains and nothing leaks

@@ -36,29 +36,29 @@ def test_weighted_charge_divides_by_weight():
     assert p.order(["a", "b"], {"a": 0, "b": 1}) == ["b", "a"]
 
 
+def serve_then_idle(p: VTCPolicy, tenant: str, units: float) -> None:
+    """`tenant` arrives, is charged `units` service units, and its queue empties."""
+    p.on_arrival(tenant)
+    p.charge(tenant, units)
+    p.on_idle(tenant)
+
+
 def test_returning_tenant_is_lifted_to_smallest_backlogged_counter():
     p = VTCPolicy()
     p.on_arrival("a")
-    p.on_arrival("b")
-    p.charge("a", 100)
-    p.charge("b", 300)
-    p.on_idle("b")
-    p.charge("a", 500)  # a keeps working while b idles
+    serve_then_idle(p, "b", 300)
+    p.charge("a", 600)  # a keeps working while b idles
     p.on_arrival("b")   # b returns: no credit for idling
     assert p.accounts["b"].virtual_counter == 600
-    # a tenant already above the floor keeps its counter
-    p.on_arrival("c")
-    p.charge("c", 10_000)
-    p.on_idle("c")
+    # a tenant already above the floor keeps its counter (lifted to 600 on arrival, then served)
+    serve_then_idle(p, "c", 10_000)
     p.on_arrival("c")
     assert p.accounts["c"].virtual_counter == 10_600
 
 
 def test_lift_with_none_backlogged_uses_last_value_seen():
     p = VTCPolicy()
-    p.on_arrival("a")
-    p.charge("a", 250)
-    p.on_idle("a")
+    serve_then_idle(p, "a", 250)
     p.on_arrival("b")
     assert p.accounts["b"].virtual_counter == 250
 

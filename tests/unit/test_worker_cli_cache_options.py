@@ -9,7 +9,6 @@ import logging
 
 import pytest
 
-from tests.unit.cli_checks import assert_worker_usage_error
 from worker.cli import build_parser
 from worker.cache.options import cache_settings, load_public_prefixes
 from worker.models import load_model
@@ -18,17 +17,6 @@ from worker.models import load_model
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("random-tiny", load_weights=False)
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["--ttft-floor", "nosuchtier=1"], "is not TIER=SECONDS"),
-    (["--ttft-floor", "interactive=-1"], "TTFT floor (seconds) -1.0 is not in [0, 600]"),
-    (["--ttft-floor", "interactive=nan"], "is not in [0, 600]"),
-    (["--cached-rate", "3"], "cached rate 3.0 is not in [0, 1]"),
-    (["--cached-rate", "x"], "'x' is not a number"),
-])
-def test_bad_cache_flags_are_argparse_errors(argv, message, capsys):
-    assert_worker_usage_error(argv, message, capsys)
 
 
 def settings(tiny, tmp_path, content, *argv):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.cli_checks import assert_worker_usage_error
 from worker.cli import build_parser, tier_settings
 from worker.engine.engine import Engine, EngineConfig
 from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
@@ -41,21 +40,6 @@ def test_flags_reach_the_scheduling_core():
     assert core.tiers.min_share == {"batch": 0.02, "background": 0.1} and core.iteration_token_target == 24
     off = settings("--no-tier-scheduling")
     assert off["tier_scheduling"] is False and not engine(**off).scheduler.core.tiers.enabled
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--tier-min-share", "interactive=0.1"], "interactive is the top tier"),
-    (["--tier-min-share", "gold=0.1"], "unknown tier 'gold'"),
-    (["--tier-min-share", "batch"], "is not TIER=FRAC"),
-    (["--tier-min-share", "batch=x"], "is not TIER=FRAC"),
-    (["--tier-min-share", "batch=1"], "must be in [0, 1)"),
-    (["--tier-min-share", "batch=0.6", "--tier-min-share", "background=0.5"], "must sum to less than 1"),
-    (["--tier-min-share", "batch=0.1", "--tier-min-share", "batch=0.2"], "'batch' given twice"),
-    (["--tier-min-share", "batch=0.1", "--no-tier-scheduling"], "needs tier scheduling"),
-    (["--iteration-token-target", "0"], "argument --iteration-token-target: 0 is not > 0"),
-])
-def test_bad_values_are_argparse_errors(argv, message, capsys):
-    assert_worker_usage_error(argv, message, capsys)
 
 
 def test_fairshare_up_passes_tier_flags_to_its_worker(capsys):
