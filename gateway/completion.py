@@ -29,7 +29,7 @@ from .auth import Principal
 from .errors import APIError
 from .generation import collect, start_generations
 from .metrics import UNKNOWN_TENANT
-from .plan import plan_request
+from .plan import endpoint_label, plan_request
 from .session import Session, admit
 from .sse import SSEResponse
 from .state import Gateway
@@ -41,7 +41,7 @@ async def serve(gw: Gateway, request: Request, kind: str):
     """Handle one completion request (`kind`: ``chat`` or ``text``) end to end (module docstring).
     Returns a JSONResponse or an SSEResponse; raises APIError (answered OpenAI-shaped)."""
     t0 = time.perf_counter()
-    endpoint = "chat" if kind == "chat" else "completions"
+    endpoint = endpoint_label(kind)
     span = gw.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes={
         "http.request.method": request.method, "http.route": request.url.path, "fairshare.endpoint": endpoint})
     # the request span parents the others; an untraced one (tracing off) is not worth attaching

@@ -107,8 +107,13 @@ class GenerationPlan:
 
     @property
     def endpoint(self) -> str:
-        """The metrics label of the endpoint (``chat`` or ``text``)."""
-        return "chat" if self.kind == "chat" else "text"
+        """The metrics label of the endpoint (`endpoint_label`)."""
+        return endpoint_label(self.kind)
+
+
+def endpoint_label(kind: str) -> str:
+    """The ``endpoint`` label of a request's metrics and spans: ``chat`` or ``completions``."""
+    return "chat" if kind == "chat" else "completions"
 
 
 def prompt_param(kind: str) -> str:

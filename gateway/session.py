@@ -69,7 +69,7 @@ class Job:
 class Session:
     """An admitted request: its jobs, generations, lease and the settlement that ends it (once).
 
-    gw: the app's `gateway.state.Gateway`; endpoint: ``chat`` or ``text``; t0: ``perf_counter()`` when
+    gw: the app's `gateway.state.Gateway`; endpoint: the metrics label, ``chat`` or ``completions``; t0: ``perf_counter()`` when
     the request arrived (TTFT and latency are measured from it); deadline_info: whose deadline, when
     (gateway/deadlines.py).
     """
