@@ -26,10 +26,12 @@ class Background:
         self.task: asyncio.Task | None = None
 
     def start(self) -> None:
+        """Start the task on the running loop (nothing when it runs already)."""
         if self.task is None:
             self.task = asyncio.get_running_loop().create_task(self.run(), name=self.name)
 
     async def stop(self) -> None:
+        """Cancel the task and wait until it has finished (nothing when it does not run)."""
         await cancel_and_wait(self.task)
         self.task = None
 

@@ -63,6 +63,7 @@ class BoardReader:
         self._loop.start()
 
     async def stop(self) -> None:
+        """Stop reading the board."""
         await self._loop.stop()
 
 
