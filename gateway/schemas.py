@@ -404,7 +404,9 @@ Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 def check_json_schema(schema: Any, param: str) -> None:
     """Raise a 400 naming `param` unless `schema` is a JSON Schema object that the JSON Schema
-    metaschema (draft 2020-12, via `jsonschema`) accepts."""
+    metaschema (draft 2020-12, via `jsonschema`) accepts. A schema nested too deeply for that check
+    (its validator recurses several frames per level; ~100 levels of ``properties`` exhaust Python's
+    stack) is refused too, rather than failing the request with a 500."""
     import jsonschema
 
     if not isinstance(schema, dict):
@@ -415,6 +417,9 @@ def check_json_schema(schema: Any, param: str) -> None:
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path) or "(root)"
         raise invalid_request(f"Invalid schema for '{param}': {e.message} (at {where}).", param,
+                              "invalid_value") from None
+    except RecursionError:
+        raise invalid_request(f"Invalid schema for '{param}': it is nested too deeply.", param,
                               "invalid_value") from None
 
 

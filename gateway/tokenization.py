@@ -203,11 +203,21 @@ class ChatTokenizer:
                     parser=None) -> list[int]:
         """Token ids of the rendered conversation (special tokens come from the template only);
         `tools` / `parser` as in `render_chat`."""
-        return self.tokenizer.encode(self.render_chat(messages, tools, parser), add_special_tokens=False).ids
+        return self._encode(self.render_chat(messages, tools, parser), add_special_tokens=False)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a raw completion prompt, with the tokenizer's special tokens (e.g. BOS)."""
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+        return self._encode(text, add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`, computed without holding the GIL.
+
+        `Tokenizer.encode` keeps the GIL for the whole encoding (seconds for a prompt of megabytes),
+        so a thread running it (the gateway tokenizes large bodies with `asyncio.to_thread`) would
+        still stop the event loop, and with it every other tenant's streams. `encode_batch` releases
+        the GIL while it works and gives the same ids; a batch of one costs the same CPU.
+        """
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (special tokens skipped)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 import pytest
@@ -50,11 +52,14 @@ def test_sha_agrees_with_worker(info):
     assert info.tokenizer_sha256 in files.sha256_variants()
 
 
+WORD_LEVEL_JSON = '{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,' \
+                  '"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,' \
+                  '"model":{"type":"WordLevel","vocab":{"[UNK]":0,"a":1},"unk_token":"[UNK]"}}'
+
+
 def test_template_sandbox_and_errors():
     t = compile_chat_template("{{ raise_exception('roles must alternate') }}")
-    tok_json = '{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],"normalizer":null,' \
-               '"pre_tokenizer":{"type":"Whitespace"},"post_processor":null,"decoder":null,' \
-               '"model":{"type":"WordLevel","vocab":{"[UNK]":0,"a":1},"unk_token":"[UNK]"}}'
+    tok_json = WORD_LEVEL_JSON
     tok = ChatTokenizer(TokenizerFiles(tok_json, "{{ raise_exception('roles must alternate') }}"))
     with pytest.raises(TemplateError, match="roles must alternate"):
         tok.render_chat([{"role": "user", "content": "a"}])
@@ -72,3 +77,37 @@ def test_gateway_never_imports_torch():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+def test_encoding_a_huge_prompt_lets_other_threads_run(kind):
+    """A megabyte prompt is encoded without holding the GIL: the gateway encodes large bodies on a
+    thread, and an encoder that kept the GIL would stop its event loop (every other tenant's streams)
+    for the seconds the encoding takes. By construction: a thread encodes the prompt twice while this
+    one keeps taking timestamps; while an encoding holds the GIL this thread cannot take any, so each
+    encoding's middle third must hold some of them (an encoding takes ~0.3 s of CPU here, thousands
+    of scheduler slices, whatever the load)."""
+    tok = ChatTokenizer(TokenizerFiles(WORD_LEVEL_JSON, "{% for m in messages %}{{ m.content }}{% endfor %}"))
+    text = "a " * 300_000
+    windows: list[tuple[float, float]] = []
+    lengths: list[int] = []
+
+    def encode() -> None:
+        for _ in range(2):
+            start = time.perf_counter()
+            ids = tok.encode_chat([{"role": "user", "content": text}]) if kind == "chat" else tok.encode_text(text)
+            windows.append((start, time.perf_counter()))
+            lengths.append(len(ids))
+
+    worker = threading.Thread(target=encode)
+    samples: list[float] = []
+    worker.start()
+    while worker.is_alive():
+        samples.append(time.perf_counter())
+    worker.join()
+    assert lengths == [300_000, 300_000]
+    for i, (start, end) in enumerate(windows):
+        third = (end - start) / 3
+        inside = sum(1 for t in samples if start + third < t < end - third)
+        assert inside > 0, (f"encoding {i + 1} ({end - start:.2f} s) held the GIL: this thread took no "
+                            f"timestamp in its middle third")

@@ -146,6 +146,14 @@ def test_malformed_bodies_are_clear_400s(gw, raw, code):
         assert err["code"] == code, err
 
 
+def _nested_schema(depth: int) -> dict:
+    """An object schema `depth` levels deep ({"properties": {"a": {... {"type": "integer"}}}})."""
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 @pytest.mark.parametrize("extra,param,code", [
     ({"max_tokens": -1}, "max_tokens", "invalid_value"),
     ({"max_tokens": 0}, "max_tokens", "invalid_value"),
@@ -178,6 +186,11 @@ def test_malformed_bodies_are_clear_400s(gw, raw, code):
     ({"user": {"id": 1}}, "user", "invalid_value"),
     ({"store": True}, "store", "unsupported_value"),
     ({"reasoning_effort": "high"}, "reasoning_effort", "unsupported_value"),
+    # JSON Schemas too deep for the metaschema check's recursion (it was a 500, RecursionError)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _nested_schema(300)}}},
+     "response_format.json_schema.schema", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": _nested_schema(300)}}]},
+     "tools.[0].function.parameters", "invalid_value"),
 ])
 def test_hostile_fields_are_clear_400s(gw, extra, param, code):
     body = {"model": MODEL, "messages": HELLO, "max_tokens": 4, **extra}
