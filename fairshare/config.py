@@ -170,7 +170,7 @@ class KeysFile(BaseModel):
 
 
 # Markers that begin the gateway's log line about a reload of the tenants/keys files (gateway/auth.py);
-# `fairshare up` forwards such lines to its terminal as one-line notices (fairshare/supervisor.py).
+# `fairshare up` forwards such lines to its terminal as one-line notices (fairshare/cli/supervisor.py).
 CONFIG_RELOADED = "config reloaded:"
 CONFIG_REJECTED = "config rejected:"
 

@@ -2,7 +2,7 @@
 
 - `Tier`: the service tiers, highest priority first: ``interactive`` > ``batch`` > ``background``.
   The tenants file names them (`fairshare.config.TenantConfig.tier`), the gateway sends them in the
-  gRPC contract (`fairshare.wire.TIER_ENUMS`), the workers schedule by them (`worker.scheduling`).
+  gRPC contract (`fairshare.contract.TIER_ENUMS`), the workers schedule by them (`worker.scheduling`).
 - `TIERS`: their names in priority order; `DEFAULT_TIER`: a tenant's tier when none is given (and
   what an unspecified tier in the contract counts as).
 

@@ -25,13 +25,13 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from fairshare.aio import cancel_and_wait
 from fairshare.config import TenantConfig, Tier
 from fairshare.telemetry import make_tracer_provider
 
 from . import schemas
 from .admission import AdmissionControl
 from .auth import TenantDirectory, bearer_key
+from .background import cancel_and_wait
 from .completion import serve
 from .config import GatewaySettings
 from .errors import APIError, install_handlers, model_not_found, unavailable

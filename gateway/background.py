@@ -1,6 +1,7 @@
 """The gateway's background loops: each a named asyncio task its owner starts and stops.
 
-`Background` holds one such task; `every` is the loop most of them run (a step, then a pause).
+`Background` holds one such task; `every` is the loop most of them run (a step, then a pause);
+`cancel_and_wait` stops a task.
 Used by admission control (lease renewal, Redis probes), the worker pool (health polls), discovery,
 the pool-board reader and the replica heartbeat.
 """
@@ -11,9 +12,18 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from fairshare.aio import cancel_and_wait
-
 log = logging.getLogger("fairshare.gateway")
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancel `task` (if any) and wait until it has finished; its result or error is discarded."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
 
 
 class Background:
@@ -47,4 +57,4 @@ async def every(interval_s: Callable[[], float], step: Callable[[], Awaitable[ob
         await asyncio.sleep(interval_s())
 
 
-__all__ = ["Background", "every"]
+__all__ = ["Background", "cancel_and_wait", "every"]

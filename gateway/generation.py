@@ -21,11 +21,11 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from fairshare.aio import cancel_and_wait
-from fairshare.wire import TIER_ENUMS
+from fairshare.contract import TIER_ENUMS
 from fairshare.v1 import worker_pb2 as pb
 
 from . import keepalive, schemas
+from .background import cancel_and_wait
 from .errors import APIError, client_closed, unavailable
 from .logprobs import CompletionLogprobs, chat_content
 from .plan import OutputPlan

@@ -39,13 +39,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from fairshare.aio import cancel_and_wait
+from gateway.background import cancel_and_wait
 from fairshare.telemetry import inject_metadata
 from fairshare.worker_auth import generate_claims
-from fairshare.wire import INVALID_METADATA_KEY
+from fairshare.contract import INVALID_METADATA_KEY
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
-from fairshare.wire import TIER_NAMES
+from fairshare.contract import TIER_NAMES
 
 from .background import every
 from .discovery import DEFAULT_INTERVAL_S, Discovery, parse_sources

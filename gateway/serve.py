@@ -37,7 +37,7 @@ class ServerThread:
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
         if port == 0:
-            from fairshare.procs import free_port
+            from fairshare.ports import free_port
 
             port = free_port()
         self.host = host

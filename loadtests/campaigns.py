@@ -1,6 +1,6 @@
 """Load-test campaigns: which tenants send what, how many connections each has, how they are configured.
 
-A `Campaign` pairs a workload (`loadtests.workloads`: arrival process, prompt and output lengths per
+A `Campaign` pairs a workload (`fairshare.workloads`: arrival process, prompt and output lengths per
 tenant, deterministic per seed) with what a live run needs on top of it:
 
 - per tenant, how many Locust users (concurrent connections) replay its requests, and the tier and
@@ -33,7 +33,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
-from loadtests.workloads import RequestSpec, TenantLoad, Workload, get_workload
+from fairshare.workloads import RequestSpec, TenantLoad, Workload, get_workload
 
 
 @dataclass(frozen=True)

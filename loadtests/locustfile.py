@@ -24,7 +24,7 @@ Per tenant, through Locust's ``request`` event (request_type / name):
 - ``ITL`` / tenant: each gap between content chunks.
 
 At ``quitting`` every request (including those cut by the end of the run) is written as JSON to
-``records``, with the wall-clock start of the run, for `loadtests.report`.
+``records``, with the wall-clock start of the run, for `loadtests.reports.loadtest`.
 """
 
 from __future__ import annotations

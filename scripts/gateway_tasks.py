@@ -21,10 +21,11 @@ from pathlib import Path
 
 import httpx
 
-from fairshare.procs import free_port, start_redis
+from fairshare.local_redis import start_redis
+from fairshare.ports import free_port
 from gateway.app import create_app
 from gateway.auth import create_key
-from gateway.bench import ECHO_MODEL, EchoServer
+from loadtests.bench.gateway import ECHO_MODEL, EchoServer
 from gateway.config import GatewaySettings
 from gateway.serve import ServerThread
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fairshare.procs import free_port, start_redis, wait_for_port
+from fairshare.local_redis import start_redis
+from fairshare.ports import free_port, wait_for_port
 from tests.support.skip_rule import skip_allowed_in_ci
 from tests.support.skips import in_ci
 

@@ -63,8 +63,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fairshare import worker_auth
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
-from fairshare.wire import INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
-from fairshare.wire import TIER_NAMES as _TIER_NAMES
+from fairshare.contract import INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
+from fairshare.contract import TIER_NAMES as _TIER_NAMES
 from worker.engine.engine import Engine, EngineFailed, RequestOutput
 from worker.faults import EXIT_ENGINE_FAILED
 from worker import grpc_server

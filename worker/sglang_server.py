@@ -64,11 +64,11 @@ import grpc
 
 from fairshare import worker_auth
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
-from fairshare.wire import FINISH_ENUMS as _FINISH
-from fairshare.wire import INVALID_METADATA_KEY
-from fairshare.wire import SERVICE_NAME
-from fairshare.wire import TIER_ENUMS as _TIER_ENUMS
-from fairshare.wire import TIER_NAMES as _TIER_NAMES
+from fairshare.contract import FINISH_ENUMS as _FINISH
+from fairshare.contract import INVALID_METADATA_KEY
+from fairshare.contract import SERVICE_NAME
+from fairshare.contract import TIER_ENUMS as _TIER_ENUMS
+from fairshare.contract import TIER_NAMES as _TIER_NAMES
 from worker import grpc_server
 from worker.faults import FaultWindow
 from worker.cli import add_served_name_arguments, served_names
@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare worker --engine sglang`; returns the exit code."""
     import sys
 
-    from fairshare.procs import port_in_use
+    from fairshare.ports import port_in_use
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -121,6 +121,8 @@ def test_sglang_engine_needs_gpus(helm):
     (("worker.metrics.port=50051",), "worker.metrics.port must differ"),
     (("worker.kvQuota.enabled=true", "worker.kvQuota.headroom=0.6", "worker.kvQuota.sharedBuffer=0.5"),
      "headroom + sharedBuffer must be < 1"),
+    (("worker.quantization=int4", "worker.dtype=float32"), "needs worker.dtype bfloat16 or auto"),
+    (("worker.quantization=int8", "worker.device=cuda"), "runs on the CPU"),
 ])
 def test_checks_the_schema_cannot_express(helm, sets, message):
     res = helm.template(sets=sets)
@@ -551,6 +553,25 @@ def test_tier_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
     assert tier_settings(parser, parser.parse_args(args))["tier_scheduling"] is False
     res = helm.template(sets=("worker.tiers.minShares.background=1.5",))
     assert res.returncode != 0 and "minShares" in res.stderr
+
+
+def test_weight_format_values_become_worker_flags_the_worker_accepts(helm):
+    """worker.dtype / worker.quantization / worker.threads reach the reference worker as --dtype /
+    --quantization / --threads, parsed by the worker's own parser and format check."""
+    from worker.cli import build_parser, format_settings
+
+    parser = build_parser()
+    args = container(one(helm.render(), "StatefulSet", "worker"), "worker")["args"]
+    parsed = parser.parse_args(args)
+    format_settings(parser, parsed)  # exits on a combination the worker refuses
+    assert (parsed.dtype, parsed.quantization, parsed.threads) == ("auto", "auto", None)  # the defaults
+    args = container(one(helm.render(sets=("worker.dtype=bfloat16", "worker.quantization=int8", "worker.threads=2")),
+                         "StatefulSet", "worker"), "worker")["args"]
+    parsed = parser.parse_args(args)
+    format_settings(parser, parsed)
+    assert (parsed.dtype, parsed.quantization, parsed.threads) == ("bfloat16", "int8", 2)
+    res = helm.template(sets=("worker.quantization=int3",))
+    assert res.returncode != 0 and "quantization" in res.stderr
 
 
 @pytest.mark.parametrize("value_set", VALUE_SETS)

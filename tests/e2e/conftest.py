@@ -1,7 +1,7 @@
 """End-to-end fixtures: the whole platform started the way a user starts it (`fairshare up`).
 
 `start_up(...)` runs the `fairshare` console script of this environment (`fairshare up ...`) as a
-subprocess on free ports with its own state directory (`fairshare.up_process.UpProcess`: collects
+subprocess on free ports with its own state directory (`loadtests.up_process.UpProcess`: collects
 what it prints, waits for the banner, stops it). Keys are parsed from the banner, as a user copies them.
 
 The module fixture `platform` runs SmolLM2 (the default model) with a tenants file written before
@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fairshare.procs import port_in_use
-from fairshare.up_process import UpProcess
+from fairshare.ports import port_in_use
+from loadtests.up_process import UpProcess
 from tests.support.skips import require_module
 from tests.support.waits import wait_for
 
@@ -87,7 +87,7 @@ def assert_all_stopped(up: UpProcess, info: dict) -> None:
 
 def e2e_tenants() -> dict:
     """The demo tenants exactly as `fairshare up` writes them, plus the small-limit test tenants."""
-    from fairshare.up import DEMO_TENANTS
+    from fairshare.cli.up import DEMO_TENANTS
 
     return {"tenants": [
         *DEMO_TENANTS,

@@ -16,7 +16,7 @@ import openai
 import pytest
 import yaml
 
-from fairshare.procs import free_port, port_in_use
+from fairshare.ports import free_port, port_in_use
 from tests.e2e.conftest import ROOT, fairshare_command, start_up, stop_cleanly
 
 

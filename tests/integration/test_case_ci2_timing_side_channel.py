@@ -2,7 +2,7 @@
 prefix with another tenant's recent prompts learns nothing: a threshold classifier on the probe's
 TTFT does no better than chance.
 
-Real worker subprocesses (random-tiny) over real gRPC; protocol in loadtests/sidechannel.py: the
+Real worker subprocesses (random-tiny) over real gRPC; protocol in loadtests/bench/sidechannel.py: the
 victim sends fresh random prefixes (+32 tokens), the attacker then sends, in random order, one
 probe per victim prefix (that prefix + its own 32 tokens) and as many same-length controls; every
 probe is fresh for the attacker (and carries a fresh cache_salt), so it can never hit its own
@@ -10,7 +10,7 @@ cache. Prefixes are 512 tokens in the unsafe arm (a wide gap, so that CPU hiccup
 2-core machine cannot blur a real leak below the bound) and 256 in the namespaced arm (cheaper
 probes, hence 200 + 200 of them in the time budget).
 The statistic is the ROC AUC of "TTFT below a threshold ⇒ shared" (Mann–Whitney U / n1·n2, ties
-1/2; worker/cache/sidechannel.py):
+1/2; loadtests/bench/sidechannel_stats.py):
 
 - with the worker's experiment-only `--unsafe-global-cache` (one namespace for everybody) the
   leak must be visible: AUC > 0.9. This proves the experiment can see one;
@@ -22,15 +22,15 @@ The bounds are on a rank statistic of the two classes measured in the same run, 
 on wall-clock values, so a slow or loaded machine moves both classes alike. The worker's own
 report of cached prompt tokens is checked as well (the mechanism: hits in the unsafe arm, none
 for the attacker with namespaces). The report (samples, median TTFT per class, AUC) is printed;
-`python -m loadtests.sidechannel` prints the same one, and also the arm with a TTFT floor.
+`python -m loadtests.bench.sidechannel` prints the same one, and also the arm with a TTFT floor.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests.sidechannel import ProbeConfig, probe_worker, setup_line, start_worker, stop_worker
-from worker.cache.sidechannel import format_report
+from loadtests.bench.sidechannel import ProbeConfig, probe_worker, setup_line, start_worker, stop_worker
+from loadtests.bench.sidechannel_stats import format_report
 
 UNSAFE = ProbeConfig(pairs=80, prefix_tokens=512, suffix_tokens=32, batch=20, seed=1)
 NAMESPACED = ProbeConfig(pairs=200, prefix_tokens=256, suffix_tokens=32, batch=20, seed=2)

@@ -203,7 +203,8 @@ def redis_cluster_url(tmp_path_factory):
     import shutil
     import subprocess
 
-    from fairshare.procs import find_redis_server, free_port, wait_for_port
+    from fairshare.local_redis import find_redis_server
+    from fairshare.ports import free_port, wait_for_port
 
     cli = shutil.which("redis-cli")
     server = find_redis_server()

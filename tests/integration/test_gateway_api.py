@@ -155,7 +155,7 @@ def test_lease_renewed_while_streaming_and_released_after(gateway_factory, contr
 
 
 def test_redis_down_is_503_not_a_traceback(gateway_factory):
-    from fairshare.procs import free_port
+    from fairshare.ports import free_port
 
     gw = gateway_factory([{"id": "noredis", "limits": {"tpm": 1000}}], redis_url=f"redis://127.0.0.1:{free_port()}/0",
                          wait_ready_s=0)

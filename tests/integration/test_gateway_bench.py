@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.bench import main
+from loadtests.bench.gateway import main
 
 
 def test_bench_prints_figures(capsys):

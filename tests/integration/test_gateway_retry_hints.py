@@ -215,7 +215,7 @@ def test_inflight_429_says_when_the_blocking_request_ends_and_the_client_retry_s
 
 
 def test_no_worker_503_carries_a_retry_hint(gateway_factory):
-    from fairshare.procs import free_port
+    from fairshare.ports import free_port
 
     gw = gateway_factory([{"id": "noworker"}], workers=[f"127.0.0.1:{free_port()}"], wait_ready_s=0)
     r = httpx.post(gw.base_url + "/v1/chat/completions", headers={"authorization": f"Bearer {gw.keys['noworker']}"},

@@ -16,7 +16,7 @@ import openai
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from fairshare.worker_auth import METADATA_KEY
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc

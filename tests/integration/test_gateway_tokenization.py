@@ -73,7 +73,7 @@ def test_template_sandbox_and_errors():
 
 
 def test_gateway_never_imports_torch():
-    code = ("import sys, gateway.app, gateway.cli, gateway.bench, gateway.serve, fairshare.config;"
+    code = ("import sys, gateway.app, gateway.cli, loadtests.bench.gateway, gateway.serve, fairshare.config;"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fairshare.procs import find_redis_server
+from fairshare.local_redis import find_redis_server
 from tests.support.skips import require, require_module
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ from fairshare.config import TenantsFile
 from loadtests.campaigns import CAMPAIGNS, get_campaign
 from loadtests.client import (RequestRecord, chat_body, env_name, keys_from_env, parse_keys, stream_chat,
                               synth_prompt)
-from loadtests.report import Run, percentile, write_report
+from loadtests.reports.loadtest import Run, percentile, write_report
 from tests.support.skips import require_module
 
 LOADTEST_HINT = "pip install -e '.[loadtest]' (make install does)"

@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from tests.conftest import start_worker
 from tests.support.waits import join_all
 from worker.metrics import OTHER_TENANT, EngineCollector, TenantLabels, WorkerMetrics

@@ -18,7 +18,7 @@ import yaml
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from fairshare.telemetry import extract_metadata, inject_metadata, make_tracer_provider
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from tests.support.auth import signed

@@ -19,7 +19,7 @@ import grpc
 import httpx
 import pytest
 
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.auth import signed_channel

@@ -1,4 +1,4 @@
-"""`fairshare.up_process.UpProcess` when `fairshare up` cannot start: the error carries its output.
+"""`loadtests.up_process.UpProcess` when `fairshare up` cannot start: the error carries its output.
 
 (The started platform is covered by tests/e2e, which start it through this class, and by
 `fairshare loadtest` in test_loadtest_noisy_neighbour.py.)
@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from fairshare.up_process import UpNotReady, UpProcess
+from loadtests.up_process import UpNotReady, UpProcess
 
 
 def test_exit_before_the_banner_raises_with_its_output_and_logs_it(tmp_path):

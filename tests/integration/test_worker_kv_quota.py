@@ -16,7 +16,7 @@ import urllib.request
 import grpc
 import pytest
 
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from fairshare.v1 import worker_pb2
 from tests.support.auth import signed
 from tests.conftest import start_worker

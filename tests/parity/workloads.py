@@ -2,13 +2,13 @@
 
 One definition drives both executors: the reference scheduler (`tests/parity/reference_driver.py`:
 `worker/engine/scheduler.py` with a fake runner) and SGLang 0.5.23's own scheduler on CPU
-(`tests/sglang/sglang_driver.py`). Unlike the simulator's workloads (`loadtests/workloads`: Poisson
+(`tests/sglang/sglang_driver.py`). Unlike the simulator's workloads (`fairshare/workloads`: Poisson
 arrivals in seconds, run against a time model), these are scripts on the iteration axis: request
 `r` arrives at the start of iteration `r.arrival_iter`, so the two executors see the same arrivals
 at the same step and any difference in what they admit is a scheduling difference, not a timing one.
 
 The shapes follow the simulator's workloads of the same names (Sheng et al., OSDI 2024 §5.2 for
-overload / weighted / on-off; `loadtests/workloads/memory.py` for memory-flood), scaled down to a
+overload / weighted / on-off; `fairshare/workloads/memory.py` for memory-flood), scaled down to a
 few hundred iterations of a small engine (`EngineShape`), plus a tiers workload (DESIGN.md "Priority
 tiers": interactive > batch > background, each lower tier keeping a minimum share).
 

@@ -29,7 +29,8 @@ import pytest
 import redis as redis_sync
 import yaml
 
-from fairshare.procs import free_port, start_redis, wait_for_port
+from fairshare.local_redis import start_redis
+from fairshare.ports import free_port, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, worker_command

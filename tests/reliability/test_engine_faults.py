@@ -19,7 +19,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import start_worker, stop_worker

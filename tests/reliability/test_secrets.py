@@ -17,7 +17,7 @@ import time
 import httpx
 import redis
 
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from tests.reliability.conftest import HELLO, MODEL, SECRET, GatewayProcess, assert_error_response
 
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from fairshare import worker_auth
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import start_worker, stop_worker

@@ -1,12 +1,12 @@
-"""The prefix-cache hit-rate benchmark (worker/cache/bench.py) on a small shared-prefix trace:
+"""The prefix-cache hit-rate benchmark (loadtests/bench/cache.py) on a small shared-prefix trace:
 its invariants, not its figures."""
 
 from __future__ import annotations
 
 import pytest
 
-from loadtests.workloads.shared_prefix import SMALL, WORKLOADS
-from worker.cache.bench import MODES, format_table, replay, run_all
+from fairshare.workloads.shared_prefix import SMALL, WORKLOADS
+from loadtests.bench.cache import MODES, format_table, replay, run_all
 
 BS = 16
 
@@ -76,7 +76,7 @@ def test_workloads_are_deterministic_and_share_only_the_public_prompt():
 
 def test_engine_mode_keeps_the_invariants():
     """The same trace through the real engine on the simulator (concurrent requests, decode)."""
-    from worker.sim.cache_bench import run_engine
+    from loadtests.bench.cache import run_engine
 
     reqs = SMALL.requests(seed=3)
     public = [SMALL.public_prompt(seed=3)]

@@ -1,4 +1,4 @@
-"""The statistics of the CI2 timing side-channel experiment (worker/cache/sidechannel.py)."""
+"""The statistics of the CI2 timing side-channel experiment (loadtests/bench/sidechannel_stats.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from worker.cache.sidechannel import analyse, auc_null_std, best_threshold, format_report, roc_auc
+from loadtests.bench.sidechannel_stats import analyse, auc_null_std, best_threshold, format_report, roc_auc
 
 
 def brute_auc(pos, neg):
@@ -52,6 +52,6 @@ def test_best_threshold_and_report():
 
 
 def test_bench_and_sidechannel_modules_import_neither_torch_nor_grpc():
-    code = ("import sys, worker.cache.sidechannel, worker.cache.bench; "
+    code = ("import sys, loadtests.bench.sidechannel_stats, loadtests.bench.cache; "
             "bad=[m for m in ('torch','grpc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from loadtests.workloads import TenantLoad, Workload, all_workloads, get_workload, quota_workloads
+from fairshare.workloads import TenantLoad, Workload, all_workloads, get_workload, quota_workloads
 from tests.support.skips import require_module
 from worker.scheduling.metrics import compute_metrics
 from worker.sim.driver import run_workload
@@ -51,7 +51,7 @@ def test_simulation_is_deterministic_per_seed():
 
 
 def test_sim_run_imports_no_torch():
-    code = ("import sys; from fairshare.sim import main; "
+    code = ("import sys; from fairshare.cli.sim import main; "
             "rc = main(['run', 'proportional', '--rate-scale', '0.1', '--policy', 'drr']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -101,7 +101,7 @@ def test_weighted_workload_serves_in_proportion_to_weights():
 
 def test_report_writes_markdown_table_and_plots(tmp_path):
     require_module("matplotlib", MATPLOTLIB_HINT)
-    from worker.sim.report import benchmark_lines, run_benchmark, write_report
+    from loadtests.reports.fairness import benchmark_lines, run_benchmark, write_report
 
     bench = run_benchmark([short("overload", 30.0), short("on-off", 30.0)], ["vtc", "fcfs"], TIME, rate_scale=1.0)
     files = write_report(bench, tmp_path / "r.md", tmp_path / "img")
@@ -116,7 +116,7 @@ def test_report_writes_markdown_table_and_plots(tmp_path):
 
 def test_report_has_the_kv_quota_section_side_by_side(tmp_path):
     require_module("matplotlib", MATPLOTLIB_HINT)
-    from worker.sim.report import run_benchmark, summary_rows, write_report
+    from loadtests.reports.fairness import run_benchmark, summary_rows, write_report
 
     flood = dataclasses.replace(get_workload("memory-flood"), duration_s=60.0)
     bench = run_benchmark([short("overload", 30.0)], ["vtc", "fcfs"], TIME, rate_scale=1.0, quota_workloads=[flood])
@@ -136,7 +136,7 @@ def test_report_has_the_kv_quota_section_side_by_side(tmp_path):
 
 
 def test_sim_report_cli_refuses_a_quota_workload_alone(tmp_path):
-    from fairshare.sim import main
+    from fairshare.cli.sim import main
 
     with pytest.raises(SystemExit) as exc:
         main(["report", "--workloads", "memory-flood", "--out", str(tmp_path / "r.md")])
@@ -144,7 +144,7 @@ def test_sim_report_cli_refuses_a_quota_workload_alone(tmp_path):
 
 
 def test_sim_run_with_kv_quotas(capsys):
-    from fairshare.sim import main
+    from fairshare.cli.sim import main
 
     assert main(["run", "memory-flood", "--kv-quota", "--rate-scale", "1"]) == 0
     out = capsys.readouterr().out
@@ -154,13 +154,13 @@ def test_sim_run_with_kv_quotas(capsys):
 
 
 def test_report_has_the_tiers_section_side_by_side(tmp_path):
-    """The tiers section (worker/sim/tier_report.py) at the report's own rate scale: the interactive
+    """The tiers section (loadtests/reports/tiers.py) at the report's own rate scale: the interactive
     tenant beside a background flood. With tiers and the iteration target its TTFT p99 stays within
     1.5x its solo p99; every tier-aware run leaves the background at least its minimum share; FCFS
     queues the interactive tenant behind the flood."""
     require_module("matplotlib", MATPLOTLIB_HINT)
-    from worker.sim.report import benchmark_lines, run_benchmark, write_report
-    from worker.sim.tier_report import RATIO_GOAL
+    from loadtests.reports.fairness import benchmark_lines, run_benchmark, write_report
+    from loadtests.reports.tiers import RATIO_GOAL
 
     tiers = get_workload("tiers")
     bench = run_benchmark([short("overload", 30.0)], ["vtc", "fcfs"], CPU_TIME, rate_scale=0.6261,
@@ -183,7 +183,7 @@ def test_tiers_serve_an_interactive_tenant_above_its_weight_share_first():
     """tiers-heavy: the interactive tenant sends 70 % of capacity. Tier-blind VTC gives it half and
     queues the rest; with tiers it is served first (its TTFT p99 an order of magnitude lower) and the
     flood still gets at least its minimum share."""
-    from worker.sim.tier_report import compare
+    from loadtests.reports.tiers import compare
 
     rows = {r["run"]: r for r in compare("tiers-heavy", CPU_TIME, rate_scale=0.6261)}
     tiers, blind = rows["VTC, tiers"], rows["VTC, tier-blind"]

@@ -1,4 +1,4 @@
-"""The pool simulator (worker/sim/pool.py) and the pool section of the report (worker/sim/pool_report.py):
+"""The pool simulator (worker/sim/pool.py) and the pool section of the report (loadtests/reports/pool.py):
 the figures `fairshare sim run --workers N` and `fairshare sim report` print, on seeded runs (the
 simulator is deterministic, so these are exact figures, not samples)."""
 
@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from fairshare.sim import DEFAULT_PROFILE, main
-from loadtests.workloads.pool import SKEWED_OVERLOAD
-from loadtests.workloads.shared_prefix import SMALL
-from worker.sim import pool_report
+from fairshare.cli.sim import DEFAULT_PROFILE, main
+from fairshare.workloads.pool import SKEWED_OVERLOAD
+from fairshare.workloads.shared_prefix import SMALL
+from loadtests.reports import pool as pool_report
 from worker.sim.pool import run_pool, single_worker_equivalent
-from worker.sim.report import resolve_rate_scale
+from loadtests.reports.fairness import resolve_rate_scale
 from worker.sim.runner import IterationTimeModel
 
 TM = IterationTimeModel.load(DEFAULT_PROFILE)
@@ -83,3 +83,22 @@ def test_single_worker_equivalent_has_the_pools_capacity():
     eq = single_worker_equivalent(4, TM, "vtc", SMALL)
     assert eq["num_kv_blocks"] == 4 * 2048
     assert eq["time_model"].step_time(100, 4, 1000) == pytest.approx(TM.step_time(100, 4, 1000) / 4)
+
+
+def test_pool_skew_tenants_are_homed_where_the_workload_says():
+    """`fairshare.workloads.pool.HOMES` (written down: the shared layer does not import the gateway) is
+    what the gateway's prefix routing hash gives: each listed tenant's first choice is its worker, and
+    no tenant numbered lower than the last one listed for a worker is homed there unlisted."""
+    from fairshare.workloads.pool import HOMES, POOL_WORKERS, ROUTE_PREFIX_TOKENS, probe_workload
+    from gateway.routing_policy import PrefixAffinity, rendezvous_rank, route_key
+
+    assert PrefixAffinity().prefix_tokens == ROUTE_PREFIX_TOKENS
+    probe, ids = probe_workload(), [f"w{i}" for i in range(POOL_WORKERS)]
+    last = max(int(t.removeprefix("tenant")) for homed in HOMES.values() for t in homed)
+    homes: dict[str, list[str]] = {w: [] for w in ids}
+    for k in range(1, last + 1):
+        t = f"tenant{k}"
+        prompt = probe.system_prompt(t, 0, probe.prompt_seed or 0)
+        homes[rendezvous_rank(route_key(t + "\x00", prompt, ROUTE_PREFIX_TOKENS), ids)[0]].append(t)
+    for w, listed in HOMES.items():
+        assert tuple(homes[w][:len(listed)]) == listed, (w, homes[w])

@@ -10,7 +10,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fairshare.procs import free_port
+from fairshare.ports import free_port
 from gateway.routing import WorkerPool
 
 

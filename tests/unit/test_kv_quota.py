@@ -197,8 +197,8 @@ def test_soft_quota_is_weight_share_and_overrides():
 
 
 def test_memory_flood_workload_side_by_side():
-    from loadtests.workloads import all_workloads, get_workload
-    from worker.sim.quota_report import compare, table
+    from fairshare.workloads import all_workloads, get_workload
+    from loadtests.reports.quota import compare, table
 
     w = get_workload("memory-flood")
     assert w.generate(1) == w.generate(1) and "memory-flood" not in [x.name for x in all_workloads()]
@@ -210,8 +210,8 @@ def test_memory_flood_workload_side_by_side():
 
 
 def test_engine_snapshot_reports_quota_state():
-    from loadtests.workloads import get_workload
-    from worker.sim.quota_report import DEFAULT_PROFILE
+    from fairshare.workloads import get_workload
+    from loadtests.reports.quota import DEFAULT_PROFILE
     from worker.sim.driver import run_workload
     from worker.sim.runner import IterationTimeModel
 

@@ -1,8 +1,8 @@
-"""`loadtests.report.overtakes`: the order count the noisy-neighbour verdict rests on."""
+"""`loadtests.reports.loadtest.overtakes`: the order count the noisy-neighbour verdict rests on."""
 
 from __future__ import annotations
 
-from loadtests.report import Run, overtakes
+from loadtests.reports.loadtest import Run, overtakes
 
 
 def _rec(tenant: str, t_send: float, ttft_s: float | None, outcome: str = "ok") -> dict:

@@ -1,10 +1,10 @@
-"""`fairshare bench scheduler` (worker/sim/sched_bench.py): the steady state it times really is one
+"""`fairshare bench scheduler` (loadtests/bench/scheduler.py): the steady state it times really is one
 (the queue kept at `waiting`, every running slot busy), and what it subtracts for its own
 timers never exceeds what they add. No timing is asserted (figures are the bench's to print)."""
 
 from __future__ import annotations
 
-from worker.sim import sched_bench
+from loadtests.bench import scheduler as sched_bench
 
 
 def test_the_timer_correction_subtracts_at_most_what_the_timer_adds():

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from fairshare import top
-from fairshare.scrape import counter_delta, histogram_quantile, parse
+from fairshare.cli import top
+from fairshare.cli.scrape import counter_delta, histogram_quantile, parse
 
 GATEWAY = "http://gw/metrics"
 WORKER_A, WORKER_B = "http://w0/metrics", "http://w1/metrics"

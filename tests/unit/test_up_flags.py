@@ -10,8 +10,8 @@ import socket
 import pytest
 import yaml
 
-from fairshare import up
-from fairshare.up_flags import PASS_THROUGH, PassThrough, child_parsers
+from fairshare.cli import up
+from fairshare.cli.up_flags import PASS_THROUGH, PassThrough, child_parsers
 from gateway.cli import build_parser as gateway_parser
 from worker.cli import build_parser as worker_parser
 

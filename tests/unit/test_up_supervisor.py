@@ -1,4 +1,4 @@
-"""`fairshare.supervisor.Supervisor` on real child processes, driven step by step on a fake clock
+"""`fairshare.cli.supervisor.Supervisor` on real child processes, driven step by step on a fake clock
 (the backoff and the crash window are the clock's, so nothing here waits on wall-clock time)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fairshare.supervisor import ChildSpec, CrashLoop, Supervisor, describe_exit, spawn, stop_child
+from fairshare.cli.supervisor import ChildSpec, CrashLoop, Supervisor, describe_exit, spawn, stop_child
 from tests.support.waits import wait_for
 
 

@@ -64,8 +64,8 @@ def test_bad_value_from_the_command_line_exits_2_without_traceback():
 
 
 def test_fairshare_up_passes_kv_quota_to_its_worker():
-    from fairshare.up import build_parser as up_parser
-    from fairshare.up import worker_command
+    from fairshare.cli.up import build_parser as up_parser
+    from fairshare.cli.up import worker_command
 
     def worker_args(*argv: str) -> list[str]:
         cmd = worker_command(up_parser().parse_args(list(argv)))

@@ -43,7 +43,7 @@ def test_flags_reach_the_scheduling_core():
 
 
 def test_fairshare_up_passes_tier_flags_to_its_worker(capsys):
-    from fairshare import up
+    from fairshare.cli import up
 
     def worker_args(*argv: str) -> list[str]:
         args = up.build_parser().parse_args(list(argv))

@@ -223,7 +223,8 @@ class Engine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.idle_kv_blocks_used = 0
-        self._held: dict[str, tuple[float, Sequence, str | None]] = {}  # TTFT floor: request id -> (until, seq, error)
+        # TTFT floor: first outputs held back until their tier's floor, request id -> (until, seq, error)
+        self._first_tokens_held: dict[str, tuple[float, Sequence, str | None]] = {}
         # engine faults (worker/faults.py): a step that raises fails its batch; repeated ones fail the engine
         self.faults = FaultWindow(self.config.fault_limit, self.config.fault_window_s)
         self.on_failed: Callable[[str], None] | None = None  # called (engine thread) once, when it fails
@@ -308,8 +309,8 @@ class Engine:
             self._drain_inbox()
             for seq in list(self.scheduler.by_id.values()):
                 self._finish(seq, FinishReason.ABORT)
-            for request_id, (_, seq, error) in list(self._held.items()):  # finished, first token held
-                del self._held[request_id]
+            for request_id, (_, seq, error) in list(self._first_tokens_held.items()):  # finished, first token held
+                del self._first_tokens_held[request_id]
                 self._emit(seq, final=seq.is_finished, error=error, release=True)
 
     def _run(self) -> None:
@@ -326,8 +327,8 @@ class Engine:
                 continue
             if not worked:
                 wait = 0.05
-                if self._held:  # wake up in time to release a held first token (TTFT floor)
-                    wait = min(wait, max(0.0, min(u for u, _, _ in self._held.values()) - self.clock()))
+                if self._first_tokens_held:  # wake up in time to release a held first token (TTFT floor)
+                    wait = min(wait, max(0.0, min(u for u, _, _ in self._first_tokens_held.values()) - self.clock()))
                 self._wake.wait(wait)
                 self._wake.clear()
 
@@ -376,8 +377,8 @@ class Engine:
                 self._drain_inbox()
                 self._fail_all(f"the engine has failed: {self.faults.reason}")
                 return False
-            if self._held:
-                self._release_held()
+            if self._first_tokens_held:
+                self._release_first_tokens()
             self._drain_inbox()
             started = self.clock()
             chunks = self.scheduler.schedule()
@@ -438,8 +439,8 @@ class Engine:
     def _fail_all(self, error: str) -> None:
         for seq in list(self.scheduler.by_id.values()):
             self._finish(seq, FinishReason.ABORT, error=error)
-        for request_id, (_, seq, held_error) in list(self._held.items()):  # finished, first token held back
-            del self._held[request_id]
+        for request_id, (_, seq, held_error) in list(self._first_tokens_held.items()):  # finished, first token held back
+            del self._first_tokens_held[request_id]
             self._emit(seq, final=True, error=held_error, release=True)
 
     @property
@@ -549,7 +550,7 @@ class Engine:
         floor = self.config.ttft_floor_s.get(seq.tier, 0.0) if self.config.ttft_floor_s else 0.0
         return seq.arrival_time + floor if floor > 0 else None
 
-    def _hold(self, seq: Sequence, final: bool, error: str | None) -> bool:
+    def _hold_first_token(self, seq: Sequence, final: bool, error: str | None) -> bool:
         """Whether to hold this output back: nothing emitted yet, a token (or a normal finish) to
         emit and the tier's TTFT floor not reached. Errors and aborts are never held."""
         if error is not None or seq.emitted_token_count or not seq.output_token_ids:
@@ -559,26 +560,27 @@ class Engine:
         until = self._ttft_floor_until(seq)
         if until is None or self.clock() >= until:
             return False
-        self._held[seq.request_id] = (until, seq, error)
+        self._first_tokens_held[seq.request_id] = (until, seq, error)
         return True
 
-    def _release_held(self) -> None:
+    def _release_first_tokens(self) -> None:
         """Emit held outputs whose floor has passed (everything committed since, in one message)."""
         now = self.clock()
-        for request_id, (until, seq, error) in list(self._held.items()):
+        for request_id, (until, seq, error) in list(self._first_tokens_held.items()):
             if now >= until:
-                del self._held[request_id]
+                del self._first_tokens_held[request_id]
                 self._emit(seq, final=seq.is_finished, error=error, release=True)
 
     def next_release_time(self) -> float | None:
         """Earliest time (engine clock) a held first token is due, or None (for virtual-clock drivers)."""
         with self._state_lock:
-            return min((u for u, _, _ in self._held.values()), default=None)
+            return min((u for u, _, _ in self._first_tokens_held.values()), default=None)
 
     def _emit(self, seq: Sequence, final: bool, error: str | None = None, release: bool = False) -> None:
-        if not release and (seq.request_id in self._held or self._hold(seq, final, error)):
-            if seq.request_id in self._held and (error is not None or (final and seq.finish_reason is FinishReason.ABORT)):
-                del self._held[seq.request_id]  # errors and aborts go out at once
+        held = self._first_tokens_held
+        if not release and (seq.request_id in held or self._hold_first_token(seq, final, error)):
+            if seq.request_id in held and (error is not None or (final and seq.finish_reason is FinishReason.ABORT)):
+                del held[seq.request_id]  # errors and aborts go out at once
             else:
                 return
         holdback = 0 if final else stop_string_holdback(seq.output_text, seq.sampling.stop)

@@ -147,8 +147,9 @@ def plan_kv_pool(model, block_size: int, dtype: torch.dtype, max_running: int, m
 class ModelRunner:
     """Runs a `worker.models.LoadedModel` over a paged KV cache.
 
-    KV cache: one tensor [num_layers, 2 (k, v), num_kv_blocks, block_size, num_kv_heads, head_dim]
-    in the activation dtype, allocated with `torch.empty` (pages become resident as blocks are first
+    KV cache: one tensor [num_layers, num_kv_blocks, block_size, 2 (k, v), num_kv_heads, head_dim]
+    in the activation dtype (a slot's K and V side by side, in the order the fused qkv projection
+    emits them, so one `index_copy_` writes both and one `index_select` reads both), allocated with `torch.empty` (pages become resident as blocks are first
     written); no position is ever read before it is written (see `_decode_slots`), so its initial
     contents never matter. device: "cpu" or "cuda[:n]". dtype / quantization: see
     `worker.engine.weights.resolve_format` ("auto": the checkpoint's own format: int4 weights with
@@ -211,11 +212,10 @@ class ModelRunner:
             self.sin_signed = torch.cat([-sin, sin], dim=-1).to(device=dev, dtype=self.dtype)
             self._half = half
         # a normal tensor (not an inference tensor), so callers may also copy/clear blocks
-        self.kv_cache = torch.empty(cfg.num_layers, 2, self.num_kv_blocks, self.block_size,
+        self.kv_cache = torch.empty(cfg.num_layers, self.num_kv_blocks, self.block_size, 2,
                                     self.num_kv_heads, self.head_dim, device=dev, dtype=self.dtype)
-        # per-layer [slots, K, D] views of the pool, made once (not per step)
-        self._kv_views = [(self.kv_cache[li, 0].view(-1, self.num_kv_heads, self.head_dim),
-                           self.kv_cache[li, 1].view(-1, self.num_kv_heads, self.head_dim))
+        # per-layer [slots, 2K, D] views of the pool (K heads, then V heads), made once (not per step)
+        self._kv_views = [self.kv_cache[li].view(-1, 2 * self.num_kv_heads, self.head_dim)
                           for li in range(cfg.num_layers)]
         self._eps = torch.tensor(self.eps, dtype=torch.float32, device=dev)
         self._inv_hidden = 1.0 / cfg.hidden_size
@@ -243,15 +243,21 @@ class ModelRunner:
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm (Zhang & Sennrich 2019) of the fp32 residual stream, cast to the activation dtype:
         x * w / sqrt(|x|^2 / n + eps). Written with `vector_norm` it is 6 ATen calls instead of
-        F.rms_norm's ~11 on CPU (composite there): 6.6 vs 9.4 us per row of 576 here, same values."""
+        F.rms_norm's ~11 on CPU (composite there): 6.6 vs 9.4 us per row of 576 here, same values;
+        the cast to bf16 is the last product's own store (`out=`), one dispatch fewer than `.to`."""
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         inv = torch.addcmul(self._eps, norm, norm, value=self._inv_hidden).rsqrt_()
-        return (x * inv).mul_(weight).to(self.dtype)
+        if self.dtype == torch.float32:
+            return (x * inv).mul_(weight)
+        # the last product is computed in fp32 and rounded once as it is stored (no separate cast)
+        return torch.mul(x * inv, weight, out=torch.empty(x.shape, dtype=self.dtype, device=x.device))
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, heads, D] rotated by position (Su et al. 2021): x*cos + rotate_half(x)*sin, with
-        rotate_half(x)*sin computed as x.roll(D/2)*[-sin, sin] (one op fewer than a cat of halves)."""
-        return torch.addcmul(x * cos, x.roll(self._half, -1), sin_signed)
+        rotate_half(x)*sin computed as x.roll(D/2)*[-sin, sin] (one op fewer than a cat of halves).
+        `out` may be x itself (both products are taken before it is written)."""
+        return torch.addcmul(x * cos, x.roll(self._half, -1), sin_signed, out=out)
 
     def _validate(self, items: list[ForwardItem]) -> None:
         """Cheap host-side checks, so a bad item raises ValueError instead of a device-side assert."""
@@ -359,43 +365,42 @@ class ModelRunner:
 
         x = self.embed.rows(ids_t)  # [T, hidden], fp32 residual stream
         T = x.shape[0]
-        qk_end = self.q_size + self.kv_size
-        for li, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._rms(x, layer.ln1))
-            qk = self._rope(qkv[:, :qk_end].view(T, H + K, D), cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, qk_end:].view(T, K, D)
-            kc, vc = self._kv_views[li]
-            kc.index_copy_(0, slots_t, k)
-            vc.index_copy_(0, slots_t, v)
+        q_size, qk_end, inter = self.q_size, self.q_size + self.kv_size, self.intermediate
+        scale, gqa = self.scale, G > 1
+        # Each op below is a dispatch of ~1-2 us on this CPU, ~40 of them per layer: at batch 1 they
+        # cost a quarter of the step, so the layer is written with as few as the math allows.
+        for layer, pool in zip(self.layers, self._kv_views):
+            qkv = layer.qkv(self._rms(x, layer.ln1))  # [T, (H + 2K) * D]: q, k, v
+            qk = qkv[:, :qk_end].view(T, H + K, D)
+            self._rope(qk, cos, sin, out=qk)  # q and k rotated in place, inside qkv
+            kv = qkv[:, q_size:].view(T, 2 * K, D)  # a slot's K then V heads: the pool's layout
+            pool.index_copy_(0, slots_t, kv)
 
-            outs = []
             if B:
                 # GQA without repeating K/V: the G query heads of a KV head act as G "query rows"
-                qd = q[:B].reshape(B, K, G, D)
-                # (index_select is ~5x faster than advanced indexing for these row gathers)
-                kd = kc.index_select(0, dec_idx).view(B, -1, K, D).transpose(1, 2)  # [B, K, L, D]
-                vd = vc.index_select(0, dec_idx).view(B, -1, K, D).transpose(1, 2)
-                od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=dec_mask, scale=self.scale)
-                outs.append(od.reshape(B, H * D))
-            for start, n, gather, mask in pre_plan:
-                qp = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-                if gather is None:
-                    kp = k[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, K, n, D]
-                    vp = v[start:start + n].transpose(0, 1).unsqueeze(0)
-                    op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
-                                                        enable_gqa=G > 1)
-                else:
-                    kp = kc.index_select(0, gather).transpose(0, 1).unsqueeze(0)  # [1, K, end, D]
-                    vp = vc.index_select(0, gather).transpose(0, 1).unsqueeze(0)
-                    op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
-                                                        enable_gqa=G > 1)
-                outs.append(op[0].transpose(0, 1).reshape(n, H * D))
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+                qd = (qkv if B == T else qkv[:B])[:, :q_size].view(B, K, G, D)
+                # one gather reads K and V (index_select is ~5x faster than advanced indexing here)
+                kvd = pool.index_select(0, dec_idx).view(B, -1, 2 * K, D).transpose(1, 2)  # [B, 2K, L, D]
+                attn = F.scaled_dot_product_attention(qd, kvd[:, :K], kvd[:, K:], attn_mask=dec_mask,
+                                                      scale=scale).view(B, H * D)
+            if pre_plan:
+                outs = [attn] if B else []
+                for start, n, gather, mask in pre_plan:
+                    qp = qkv[start:start + n, :q_size].view(n, H, D).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+                    if gather is None:
+                        kvp = kv[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, 2K, n, D]
+                        op = F.scaled_dot_product_attention(qp, kvp[:, :K], kvp[:, K:], is_causal=True, scale=scale,
+                                                            enable_gqa=gqa)
+                    else:
+                        kvp = pool.index_select(0, gather).transpose(0, 1).unsqueeze(0)  # [1, 2K, end, D]
+                        op = F.scaled_dot_product_attention(qp, kvp[:, :K], kvp[:, K:], attn_mask=mask, scale=scale,
+                                                            enable_gqa=gqa)
+                    outs.append(op[0].transpose(0, 1).reshape(n, H * D))
+                attn = outs[0] if len(outs) == 1 else torch.cat(outs, 0)
             x.add_(layer.o(attn))  # x is this step's own fp32 residual stream
 
-            gu = layer.gate_up(self._rms(x, layer.ln2))
-            x.add_(layer.down(F.silu(gu[:, : self.intermediate]).mul_(gu[:, self.intermediate:])))
+            gate, up = layer.gate_up(self._rms(x, layer.ln2)).view(T, 2, inter).unbind(1)
+            x.add_(layer.down(F.silu(gate).mul_(up)))
 
         last = x.index_select(0, rows_out)
         return self.lm_head(self._rms(last, self.norm))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from loadtests.workloads import RequestSpec, Workload
+from fairshare.workloads import RequestSpec, Workload
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from worker.scheduling.metrics import EventLog
@@ -116,7 +116,7 @@ def estimate_capacity_rps(time_model: IterationTimeModel, prompt_tokens: int = 2
     """Requests/s of `prompt_tokens`/`output_tokens` requests the simulated server serves when
     saturated: service units charged per second over the second half of `seconds` (one tenant
     with a standing queue), divided by the cost of one request."""
-    from loadtests.workloads import TenantLoad
+    from fairshare.workloads import TenantLoad
 
     probe = Workload("capacity-probe", "one tenant sending far above capacity",
                      (TenantLoad("probe", 20.0, prompt_tokens, output_tokens, arrival="uniform"),), duration_s=seconds)

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from fairshare.pool_board import TenantReport, WorkerReport
 from gateway.routing_policy import PoolBoard, RouteRequest, RoutingPolicy, make_routing
-from loadtests.workloads import Workload
+from fairshare.workloads import Workload
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from worker.scheduling.metrics import EventLog

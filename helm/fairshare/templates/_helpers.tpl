@@ -154,6 +154,15 @@ else one new random key. */}}
 {{- if and .Values.worker.metrics.enabled (eq (int .Values.worker.metrics.port) (int .Values.worker.port)) -}}
 {{- fail "worker.metrics.port must differ from worker.port" -}}
 {{- end -}}
+{{- $w := .Values.worker -}}
+{{- if and (has $w.quantization (list "int8" "int4")) (eq $w.engine "reference") -}}
+{{- if eq $w.dtype "float32" -}}
+{{- fail (printf "worker.quantization=%s needs worker.dtype bfloat16 or auto (its CPU kernel takes bfloat16 activations)" $w.quantization) -}}
+{{- end -}}
+{{- if hasPrefix "cuda" $w.device -}}
+{{- fail (printf "worker.quantization=%s runs on the CPU; use worker.quantization=none with worker.device=%s" $w.quantization $w.device) -}}
+{{- end -}}
+{{- end -}}
 {{- $q := .Values.worker.kvQuota -}}
 {{- if and $q.enabled (ne .Values.worker.engine "reference") -}}
 {{- fail "worker.kvQuota applies to the reference engine; the SGLang plugin reads FAIRSHARE_SGLANG_KV_QUOTAS (worker.extraEnv)" -}}

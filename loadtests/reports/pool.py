@@ -1,0 +1,241 @@
+"""The pool section of the fairness report (`fairshare sim report`, `worker.sim.pool`).
+
+Two experiments, each printed as figures with their checks and written as a markdown section:
+
+- **Locality** (`run_locality`): the shared-system-prompt workload
+  (`fairshare.workloads.shared_prefix.SHARED_SYSTEM_PROMPTS`, played over `duration_s` at the same
+  rates, so that tenants repeat their prefixes often enough for hit rates to mean something) at
+  `load` (default 80 %) of the pool's capacity, on 4 and 8 workers under ``least-loaded``,
+  ``prefix`` and ``fair`` routing, and on one worker with the pool's total capacity (N times as
+  fast, N times the KV pool: the same total KV). Figures: pool-wide prefix hit rate (cached prompt
+  tokens / prompt tokens) and p99 queue time. Checks: ``prefix`` and ``fair`` hit rates >= 90 % of
+  the single worker's; their p99 queue time <= 1.2x ``least-loaded``'s.
+- **Fairness under skew** (`run_skew`): `fairshare.workloads.pool.SKEWED_OVERLOAD` on 4 workers:
+  per-worker VTC (``prefix`` routing, each worker its own counters), ``fair`` (pool-wide counters
+  and spill), FCFS (``prefix`` routing), and two single-worker references: VTC on one worker with
+  the pool's capacity, and VTC on one worker of the pool's kind carrying a quarter of the traffic.
+  Figures: pool-wide max weighted service difference over co-backlogged intervals and Jain's index
+  (whole window and its second half). Checks: ``fair`` <= 2x the single worker's difference and
+  >= 10x below per-worker VTC's.
+
+Deterministic per seed (the simulator is).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fairshare.workloads.pool import SKEWED_OVERLOAD
+from fairshare.workloads.shared_prefix import SHARED_SYSTEM_PROMPTS
+from worker.scheduling.metrics import compute_metrics
+from worker.sim.pool import PoolResult, base_workload, pool_rate_scale, run_pool, single_worker_equivalent
+from worker.sim.runner import IterationTimeModel
+
+ROUTINGS = ("least-loaded", "prefix", "fair")
+SINGLE = "single"
+
+
+@dataclass
+class LocalityRow:
+    """One run of the locality experiment. hit_rate: cached / prompt tokens; queue_p99_s / mean."""
+
+    workers: int
+    routing: str
+    hit_rate: float
+    queue_p99_s: float
+    queue_mean_s: float
+    finished: int
+    spills: int
+
+
+@dataclass
+class SkewRow:
+    """One run of the skew experiment: max weighted service difference (units) and Jain's index,
+    over the whole window and its second half."""
+
+    label: str
+    diff: float
+    jain: float
+    diff_late: float
+    jain_late: float
+    spills: int
+    hit_rate: float
+
+
+@dataclass
+class PoolBench:
+    time_model: IterationTimeModel
+    seed: int
+    load: float
+    duration_s: float
+    locality: dict[int, dict[str, LocalityRow]] = field(default_factory=dict)
+    scales: dict[int, float] = field(default_factory=dict)
+    skew: dict[str, SkewRow] = field(default_factory=dict)
+    skew_scale: float = 1.0
+    skew_workers: int = 4
+
+
+def _locality_row(workers: int, routing: str, res: PoolResult) -> LocalityRow:
+    qs = res.queue_times()
+    return LocalityRow(workers, routing, res.hit_rate, res.queue_percentile(99),
+                       sum(qs) / len(qs) if qs else math.nan, res.finished, res.spills)
+
+
+def run_locality(time_model: IterationTimeModel, workers: int, *, seed: int = 0, load: float = 0.8,
+                 duration_s: float = 300.0, progress=None) -> tuple[dict[str, LocalityRow], float]:
+    """The locality experiment on `workers` workers (module docstring). Returns (rows by routing
+    and ``single``, rate scale)."""
+    w = SHARED_SYSTEM_PROMPTS.lasting(duration_s)
+    scale, _ = pool_rate_scale(w, time_model, workers, load, seed)
+    rows = {}
+    for routing in ROUTINGS:
+        res = run_pool(w, "vtc", time_model, workers=workers, routing=routing, seed=seed, rate_scale=scale,
+                       drain_s=math.inf)
+        rows[routing] = _locality_row(workers, routing, res)
+        if progress:
+            progress(f"pool locality {workers} workers {routing:<12} hit {rows[routing].hit_rate:.3f}")
+    eq = single_worker_equivalent(workers, time_model, "vtc", w)
+    res = run_pool(w, "vtc", eq["time_model"], workers=1, routing="least-loaded", seed=seed, rate_scale=scale,
+                   drain_s=math.inf, num_kv_blocks=eq["num_kv_blocks"])
+    rows[SINGLE] = _locality_row(1, SINGLE, res)
+    return rows, scale
+
+
+def _skew_row(label: str, res: PoolResult) -> SkewRow:
+    t1 = res.window[1]
+    whole = compute_metrics(res.log, res.cost, window=(0.0, t1))
+    late = compute_metrics(res.log, res.cost, window=(t1 / 2, t1))
+    return SkewRow(label, whole.max_pair_diff_units, whole.jain, late.max_pair_diff_units, late.jain, res.spills,
+                   res.hit_rate)
+
+
+SKEW_RUNS = (  # label, policy, routing, pool counters
+    ("per-worker VTC", "vtc", "prefix", False),
+    ("fair", "vtc", "fair", True),
+    ("FCFS", "fcfs", "prefix", False),
+)
+SKEW_SINGLE = "single-worker VTC (pool capacity)"
+SKEW_QUARTER = "one worker VTC (1/N of the traffic)"
+
+
+def run_skew(time_model: IterationTimeModel, rate_scale: float, *, seed: int = 0, workload=SKEWED_OVERLOAD,
+             workers: int = 4, progress=None) -> dict[str, SkewRow]:
+    """The skew experiment (module docstring). `rate_scale`: the fairness benchmark's (capacity /
+    the reference 2 req/s). Returns rows by label."""
+    rows = {}
+    for label, policy, routing, pool in SKEW_RUNS:
+        res = run_pool(workload, policy, time_model, workers=workers, routing=routing, seed=seed,
+                       rate_scale=rate_scale, drain_s=0.0, pool_counters=pool)
+        rows[label] = _skew_row(label, res)
+        if progress:
+            progress(f"pool skew {label:<16} max weighted difference {rows[label].diff:10.0f} units")
+    eq = single_worker_equivalent(workers, time_model, "vtc", workload)
+    res = run_pool(workload, "vtc", eq["time_model"], workers=1, routing="least-loaded", seed=seed,
+                   rate_scale=rate_scale, drain_s=0.0, num_kv_blocks=eq["num_kv_blocks"])
+    rows[SKEW_SINGLE] = _skew_row(SKEW_SINGLE, res)
+    res = run_pool(workload, "vtc", time_model, workers=1, routing="least-loaded", seed=seed,
+                   rate_scale=rate_scale / workers, drain_s=0.0)
+    rows[SKEW_QUARTER] = _skew_row(SKEW_QUARTER, res)
+    return rows
+
+
+def run_pool_benchmark(time_model: IterationTimeModel, rate_scale: float, *, seed: int = 0, load: float = 0.8,
+                       workers: tuple[int, ...] = (4, 8), duration_s: float = 300.0, progress=None) -> PoolBench:
+    """Both experiments (module docstring)."""
+    pb = PoolBench(time_model, seed, load, duration_s, skew_scale=rate_scale)
+    for n in workers:
+        pb.locality[n], pb.scales[n] = run_locality(time_model, n, seed=seed, load=load, duration_s=duration_s,
+                                                    progress=progress)
+    pb.skew = run_skew(time_model, rate_scale, seed=seed, workers=pb.skew_workers, progress=progress)
+    return pb
+
+
+def checks(pb: PoolBench) -> list[str]:
+    """CHECK lines of the pool section."""
+    out = []
+    for n, rows in pb.locality.items():
+        single, ll = rows[SINGLE], rows["least-loaded"]
+        for routing in ("prefix", "fair"):
+            r = rows[routing]
+            ratio = r.hit_rate / single.hit_rate
+            out.append(f"CHECK pool {n} workers {routing}: hit rate {r.hit_rate:.3f} = {ratio:.2f} of one worker's "
+                       f"{single.hit_rate:.3f} at the same total KV (want >= 0.90): {'PASS' if ratio >= 0.9 else 'FAIL'}")
+            q = r.queue_p99_s / ll.queue_p99_s
+            out.append(f"CHECK pool {n} workers {routing}: p99 queue {r.queue_p99_s:.3f} s = {q:.2f}x least-loaded's "
+                       f"{ll.queue_p99_s:.3f} s (want <= 1.2x): {'PASS' if q <= 1.2 else 'FAIL'}")
+    if pb.skew:
+        fair, per, single = pb.skew["fair"], pb.skew["per-worker VTC"], pb.skew[SKEW_SINGLE]
+        out.append(f"CHECK pool skew: fair max difference {fair.diff:.0f} = {fair.diff / max(single.diff, 1e-9):.1f}x "
+                   f"single-worker VTC's {single.diff:.0f} (want <= 2x): "
+                   f"{'PASS' if fair.diff <= 2 * single.diff else 'FAIL'}")
+        out.append(f"CHECK pool skew: fair max difference {per.diff / max(fair.diff, 1e-9):.1f}x below per-worker "
+                   f"VTC's {per.diff:.0f} (want >= 10x): {'PASS' if per.diff >= 10 * fair.diff else 'FAIL'}")
+    return out
+
+
+def lines(pb: PoolBench) -> list[str]:
+    """The printed figures of the pool section, then its checks."""
+    out = [f"pool: shared-system-prompts over {pb.duration_s:g} s at {pb.load:.0%} load (rate scale per pool size: "
+           + ", ".join(f"{n} workers {s:.4f}" for n, s in pb.scales.items()) + ")"]
+    for n, rows in pb.locality.items():
+        for key in (SINGLE,) + ROUTINGS:
+            r = rows[key]
+            name = f"one worker x{n}" if key == SINGLE else key
+            out.append(f"  {n} workers {name:<14} hit rate {r.hit_rate:.3f}  queue p99 {r.queue_p99_s:.3f} s "
+                       f"mean {r.queue_mean_s:.3f} s  finished {r.finished}  spills {r.spills}")
+    if pb.skew:
+        out.append(f"pool skew: {SKEWED_OVERLOAD.base.description} (rate scale {pb.skew_scale:.4f})")
+        for r in pb.skew.values():
+            out.append(f"  {r.label:<36} max weighted diff {r.diff:9.0f} units  Jain {r.jain:.3f}  "
+                       f"(second half {r.diff_late:.0f} / {r.jain_late:.3f})  spills {r.spills}")
+    return out + checks(pb)
+
+
+def section(pb: PoolBench) -> list[str]:
+    """The markdown section."""
+    w = base_workload(SHARED_SYSTEM_PROMPTS)
+    out = ["## A pool of workers", "",
+           "N simulated workers behind the gateway's own routing code (`gateway/routing_policy.py`, the module the "
+           "gateway runs), on one virtual time line (`worker/sim/pool.py`). With `fair` routing the workers order by "
+           "pool-wide counters exchanged every 0.1 s of virtual time (`worker/scheduling/pool.py`) and the router "
+           "spills tenants whose pool-wide share lags; `prefix` and `least-loaded` run each worker's own VTC. "
+           "The single-worker reference is one worker N times as fast with N times the KV pool (the same total "
+           "capacity and KV).", "",
+           f"### Locality: {w.name} at {pb.load:.0%} load", "",
+           f"{w.description}; played over {pb.duration_s:g} s at the same rates. Load = offered requests over "
+           "N times one worker's saturated throughput for the mean request, prefix hits not counted. Hit rate = "
+           "cached prompt tokens / prompt tokens, pool-wide.", ""]
+    head = ["workers", "routing", "hit rate", "vs one worker", "queue p99 s", "vs least-loaded", "queue mean s",
+            "finished", "spills"]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n, rows in pb.locality.items():
+        single, ll = rows[SINGLE], rows["least-loaded"]
+        for key in (SINGLE,) + ROUTINGS:
+            r = rows[key]
+            name = f"one worker ×{n}" if key == SINGLE else f"`{key}`"
+            out.append(f"| {n} | {name} | {r.hit_rate:.3f} | {r.hit_rate / single.hit_rate:.2f} | {r.queue_p99_s:.3f} | "
+                       f"{r.queue_p99_s / ll.queue_p99_s:.2f}× | {r.queue_mean_s:.3f} | {r.finished} | {r.spills} |")
+    if pb.skew:
+        sw = SKEWED_OVERLOAD.base
+        out += ["", f"### Fairness under skew: {sw.name}, {pb.skew_workers} workers", "",
+                f"{sw.description}. Tenants: " + ", ".join(f"{t.tenant_id} ({t.rate:g} req/s)" for t in sw.tenants)
+                + f"; {sw.duration_s:g} s; rate scale {pb.skew_scale:.4f}. Max diff = pool-wide max weighted service "
+                "difference over co-backlogged intervals (a tenant is backlogged while any of its requests, on any "
+                "worker, is queued or prefilling).", ""]
+        head = ["run", "max diff (units)", "Jain", "max diff, 2nd half", "Jain, 2nd half", "spills", "hit rate"]
+        out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in pb.skew.values():
+            out.append(f"| {r.label} | {r.diff:,.0f} | {r.jain:.3f} | {r.diff_late:,.0f} | {r.jain_late:.3f} | "
+                       f"{r.spills} | {r.hit_rate:.3f} |")
+    out += ["", "```", *checks(pb), "```", "",
+            "What is left of the difference under `fair` is the time the pool needs to re-share its running slots "
+            "once every tenant is backlogged: N workers hold N times the running requests of one, and a tenant that "
+            "lags can only take slots as fast as its own requests arrive and are spilled (the returning-tenant rule "
+            "gives each spilled request a slot at once); requests already queued on a crowded worker stay there. "
+            "One worker with the pool's capacity re-shares its single batch in a few iterations. See "
+            "docs/fairness.md, \"Fair shares over a pool\".", ""]
+    return out
+
+
+__all__ = ["PoolBench", "checks", "lines", "run_locality", "run_pool_benchmark", "run_skew", "section"]
