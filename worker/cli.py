@@ -47,7 +47,7 @@ import asyncio
 import logging
 import sys
 
-from fairshare.ports import port_in_use
+from worker import grpc_server
 from worker.cache.options import add_cache_arguments, cache_settings
 from worker.pool_service import add_pool_arguments, worker_id_of
 from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
@@ -438,8 +438,7 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
     tiers = tier_settings(parser, args)
     names = served_names(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if port_in_use(args.host, args.port):
-        print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
+    if grpc_server.port_taken(args.host, args.port):
         return 1
     try:
         verifier = make_verifier(args)

@@ -5,7 +5,11 @@ One home for the server's options and its bind, so the two bootstraps cannot dri
 
 from __future__ import annotations
 
+import sys
+
 import grpc
+
+from fairshare.ports import port_in_use
 
 # Messages up to 64 MiB (ModelInfo carries the tokenizer). so_reuseport off: a port another process
 # already listens on fails the bind instead of silently sharing its connections with that process.
@@ -30,3 +34,12 @@ def bind(server: grpc.aio.Server, host: str, port: int) -> int:
     if not bound:
         raise OSError(f"cannot bind {host}:{port}")
     return bound
+
+
+def port_taken(host: str, port: int) -> bool:
+    """True (with a one-line notice on stderr) when host:port is already listened on, so a worker
+    refuses to start before it loads a model it could not serve."""
+    if not port_in_use(host, port):
+        return False
+    print(f"fairshare worker: port {host}:{port} is already in use", file=sys.stderr)
+    return True

@@ -760,8 +760,6 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `fairshare worker --engine sglang`; returns the exit code."""
     import sys
 
-    from fairshare.ports import port_in_use
-
     parser = build_parser()
     args = parser.parse_args(argv)
     served_names(parser, args)  # usage errors before anything starts
@@ -770,8 +768,7 @@ def main(argv: list[str] | None = None) -> int:
 
     floors = ttft_floor_settings(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if port_in_use(args.host, args.port):
-        print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
+    if grpc_server.port_taken(args.host, args.port):
         return 1
     if not Path(args.model, "config.json").is_file():
         print(f"fairshare worker: --engine sglang needs a local model directory, got {args.model!r}", file=sys.stderr)

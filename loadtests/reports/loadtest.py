@@ -17,6 +17,7 @@ Percentiles are linear interpolation between order statistics (numpy's default).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -171,11 +172,29 @@ def _colors(tenants: list[str]) -> dict[str, str]:
     return {t: palette[i % len(palette)] for i, t in enumerate(tenants)}
 
 
-def _axes(n: int, title: str):
+@contextlib.contextmanager
+def _figure(runs: list[Run], title: str, ylabel: str, path: Path):
+    """One panel per run, side by side with a shared y axis, saved to `path` (PNG) on exit.
+
+    Yields (panels [(axes, run)], tenants of all runs, {tenant: colour})."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, n, figsize=(6.4 * n, 4.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.4 * len(runs), 4.2), sharey=True, squeeze=False)
     fig.suptitle(title)
-    return plt, fig, axes[0]
+    tenants = _all_tenants(runs)
+    yield list(zip(axes[0], runs, strict=True)), tenants, _colors(tenants)
+    axes[0][0].set_ylabel(ylabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _label_panel(ax, title: str, xlabel: str, title_size: int | None = None, grid_which: str = "major",
+                 **legend) -> None:
+    """Title, x label, grid and legend (`legend`: Axes.legend keywords) of one panel."""
+    ax.set_title(title, fontsize=title_size)
+    ax.set_xlabel(xlabel)
+    ax.grid(True, which=grid_which, alpha=0.3)
+    ax.legend(**legend)
 
 
 def service_series(run: Run, window_s: float = SERVICE_WINDOW_S) -> tuple[str, dict[str, tuple[list, list]]]:
@@ -213,74 +232,53 @@ def service_series(run: Run, window_s: float = SERVICE_WINDOW_S) -> tuple[str, d
 
 
 def plot_ttft(runs: list[Run], path: Path, focus: str | None = None) -> None:
-    tenants = _all_tenants(runs)
-    col = _colors(tenants)
-    plt, fig, axes = _axes(len(runs), "TTFT per tenant over time")
-    for ax, run in zip(axes, runs, strict=True):
-        t_end = run.data.get("t_end") or 0.0
-        for t in tenants:
-            pts = [(r["t_send"], r["ttft_s"]) for r in run.records if r["tenant"] == t and r["ttft_s"] is not None]
-            cut = [(r["t_send"], max(t_end - r["t_send"], 1e-3)) for r in run.records
-                   if r["tenant"] == t and r["ttft_s"] is None and r["outcome"] == "cut"]
-            size = 22 if t == focus else 10
-            if pts:
-                ax.scatter([p[0] for p in pts], [max(p[1], 1e-3) for p in pts], s=size, color=col[t], label=t,
-                           alpha=0.8, zorder=3 if t == focus else 2)
-            if cut:
-                ax.scatter([p[0] for p in cut], [p[1] for p in cut], s=size, facecolors="none", edgecolors=col[t],
-                           label=f"{t} (no first token by the end; ≥)")
-        ax.set_yscale("log")
-        ax.set_title(f"policy: {run.policy}")
-        ax.set_xlabel("request sent at (s since start)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best", framealpha=0.6)
-    axes[0].set_ylabel("TTFT (s, log scale)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """TTFT per tenant over time, one panel per run (PNG at `path`); `focus` drawn larger."""
+    with _figure(runs, "TTFT per tenant over time", "TTFT (s, log scale)", path) as (panels, tenants, col):
+        for ax, run in panels:
+            t_end = run.data.get("t_end") or 0.0
+            for t in tenants:
+                pts = [(r["t_send"], r["ttft_s"]) for r in run.records if r["tenant"] == t and r["ttft_s"] is not None]
+                cut = [(r["t_send"], max(t_end - r["t_send"], 1e-3)) for r in run.records
+                       if r["tenant"] == t and r["ttft_s"] is None and r["outcome"] == "cut"]
+                size = 22 if t == focus else 10
+                if pts:
+                    ax.scatter([p[0] for p in pts], [max(p[1], 1e-3) for p in pts], s=size, color=col[t], label=t,
+                               alpha=0.8, zorder=3 if t == focus else 2)
+                if cut:
+                    ax.scatter([p[0] for p in cut], [p[1] for p in cut], s=size, facecolors="none",
+                               edgecolors=col[t], label=f"{t} (no first token by the end; ≥)")
+            ax.set_yscale("log")
+            _label_panel(ax, f"policy: {run.policy}", "request sent at (s since start)", grid_which="both",
+                         fontsize=7, loc="best", framealpha=0.6)
 
 
 def plot_service(runs: list[Run], path: Path) -> None:
-    tenants = _all_tenants(runs)
-    col = _colors(tenants)
-    plt, fig, axes = _axes(len(runs), f"Service rate per tenant ({SERVICE_WINDOW_S:g} s window)")
-    for ax, run in zip(axes, runs, strict=True):
-        source, series = service_series(run)
-        for t in tenants:
-            if t in series and series[t][0]:
-                ax.plot(series[t][0], series[t][1], color=col[t], label=t)
-        ax.set_title(f"policy: {run.policy}\n({source})", fontsize=9)
-        ax.set_xlabel("time (s since start)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    axes[0].set_ylabel("service units / s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """Service rate per tenant over time, one panel per run (PNG at `path`)."""
+    title = f"Service rate per tenant ({SERVICE_WINDOW_S:g} s window)"
+    with _figure(runs, title, "service units / s", path) as (panels, tenants, col):
+        for ax, run in panels:
+            source, series = service_series(run)
+            for t in tenants:
+                if t in series and series[t][0]:
+                    ax.plot(series[t][0], series[t][1], color=col[t], label=t)
+            _label_panel(ax, f"policy: {run.policy}\n({source})", "time (s since start)", title_size=9,
+                         fontsize=8, loc="upper left")
 
 
 def plot_rejections(runs: list[Run], path: Path) -> None:
-    tenants = _all_tenants(runs)
-    col = _colors(tenants)
-    plt, fig, axes = _axes(len(runs), f"429s per tenant (per {BIN_S:g} s)")
-    for ax, run in zip(axes, runs, strict=True):
-        t_end = run.data.get("t_end") or run.data.get("duration_s") or BIN_S
-        n = max(int(math.ceil(t_end / BIN_S)), 1)
-        xs = [k * BIN_S for k in range(n)]
-        for t in tenants:
-            bins = [0] * n
-            for r in run.records:
-                if r["tenant"] == t and r["outcome"] == "rejected":
-                    bins[min(int(r["t_send"] / BIN_S), n - 1)] += 1
-            ax.step(xs + [n * BIN_S], bins + bins[-1:], where="post", color=col[t], label=f"{t} ({sum(bins)})")
-        ax.set_title(f"policy: {run.policy}")
-        ax.set_xlabel("time (s since start)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
-    axes[0].set_ylabel("429 responses")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    """429 responses per tenant per BIN_S seconds, one panel per run (PNG at `path`)."""
+    with _figure(runs, f"429s per tenant (per {BIN_S:g} s)", "429 responses", path) as (panels, tenants, col):
+        for ax, run in panels:
+            t_end = run.data.get("t_end") or run.data.get("duration_s") or BIN_S
+            n = max(int(math.ceil(t_end / BIN_S)), 1)
+            xs = [k * BIN_S for k in range(n)]
+            for t in tenants:
+                bins = [0] * n
+                for r in run.records:
+                    if r["tenant"] == t and r["outcome"] == "rejected":
+                        bins[min(int(r["t_send"] / BIN_S), n - 1)] += 1
+                ax.step(xs + [n * BIN_S], bins + bins[-1:], where="post", color=col[t], label=f"{t} ({sum(bins)})")
+            _label_panel(ax, f"policy: {run.policy}", "time (s since start)", fontsize=8, loc="upper left")
 
 
 def _all_tenants(runs: list[Run]) -> list[str]:

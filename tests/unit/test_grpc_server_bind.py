@@ -55,3 +55,15 @@ def test_bind_port_zero_returns_the_bound_port():
             await server.stop(None)
 
     asyncio.run(scenario())
+
+
+def test_port_taken_names_the_port_once_and_only_when_taken(capsys):
+    holder = _listening_socket()
+    port = holder.getsockname()[1]
+    try:
+        assert grpc_server.port_taken("127.0.0.1", port)
+        assert capsys.readouterr().err == f"fairshare worker: port 127.0.0.1:{port} is already in use\n"
+    finally:
+        holder.close()
+    assert not grpc_server.port_taken("127.0.0.1", port)
+    assert capsys.readouterr().err == ""
