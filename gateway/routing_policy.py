@@ -1,7 +1,7 @@
 """Which worker a request goes to: the routing policies, pure and framework-free.
 
 Imports nothing but the standard library (no grpc, no fastapi), so the live gateway
-(`gateway.routing.WorkerPool`) and the pool simulator (`worker.sim.pool`) run the same code.
+(`gateway.routing.WorkerPool`) and the pool simulator (`loadtests.sim.pool`) run the same code.
 
 Three policies (`--routing`):
 

@@ -23,7 +23,7 @@ ROWS = [
     ("worker (all)", "worker", ()),
     ("worker/scheduling", "worker/scheduling", ()),
     ("worker/engine", "worker/engine", ()),
-    ("worker/sim", "worker/sim", ()),
+    ("loadtests/sim", "loadtests/sim", ()),
     ("fairshare (shared)", "fairshare", ("fairshare/v1", "fairshare/cli")),
     ("fairshare/cli", "fairshare/cli", ()),
     ("loadtests (all)", "loadtests", ()),

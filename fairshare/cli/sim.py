@@ -13,7 +13,7 @@
 from the real runner on this machine (needs torch; `--device cuda` on a GPU) and saves it as JSON.
 `run` simulates one workload under one policy and prints the per-tenant metrics; with `--workers N`
 (or `--routing`) it runs a pool of N simulated workers behind the gateway's routing code
-(`worker/sim/pool.py`) and also prints the pool-wide prefix hit rate, the p99 queue time and what
+(`loadtests/sim/pool.py`) and also prints the pool-wide prefix hit rate, the p99 queue time and what
 each worker got. `--load X` sizes the rates to X of the pool's capacity. `report` runs
 every workload under every policy side by side, writes the markdown report and PNG plots, and
 prints the benchmark figures; the priority-tier workloads (`tiers`, `tiers-heavy`) are run alone,
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _profile(path: str | None):
-    from worker.sim.runner import IterationTimeModel
+    from loadtests.sim.runner import IterationTimeModel
 
     p = Path(path) if path else DEFAULT_PROFILE
     try:
@@ -84,7 +84,7 @@ def cmd_calibrate(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="where to save (default loadtests/profiles/<device>-<model>.json)")
     args = p.parse_args(argv)
-    from worker.sim.calibrate import calibrate
+    from loadtests.sim.calibrate import calibrate
 
     model, _ = calibrate(args.model, args.device, args.repeats, args.threads)
     out = Path(args.out) if args.out else PROFILES_DIR / f"{args.device.split(':')[0]}-{args.model}.json"
@@ -134,7 +134,7 @@ def cmd_run(argv: list[str]) -> int:
     overrides = _engine_overrides(args)
     pooled = args.workers > 1 or args.routing is not None or prompted or args.load is not None
     if args.load is not None:
-        from worker.sim.pool import pool_rate_scale
+        from loadtests.sim.pool import pool_rate_scale
 
         scale, per_worker = pool_rate_scale(workload, tm, args.workers, args.load, args.seed, **overrides)
         cap = per_worker * args.workers
@@ -142,13 +142,13 @@ def cmd_run(argv: list[str]) -> int:
         scale, cap = resolve_rate_scale(args.rate_scale, tm, **overrides)
     drain = math.inf if args.drain else None
     if not pooled:
-        from worker.sim.driver import run_workload
+        from loadtests.sim.driver import run_workload
 
         res = run_workload(workload, args.policy, tm, seed=args.seed, rate_scale=scale, drain_s=drain, **overrides)
         m = compute_metrics(res.log, res.engine.cost, window=res.window)
         _print_run(workload, res.engine, res.config, tm, scale, cap, res.iterations, res.end_s, m)
         return 0
-    from worker.sim.pool import run_pool
+    from loadtests.sim.pool import run_pool
 
     counters = None if args.pool_counters == "auto" else args.pool_counters == "on"
     res = run_pool(workload, args.policy, tm, workers=args.workers, routing=args.routing or "least-loaded",

@@ -53,7 +53,7 @@ from worker.cache.namespace import GLOBAL_NAMESPACE, derive_namespace
 from worker.cache.radix import RadixCache
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 
 MODES = ("global", "namespaced", "namespaced+public")

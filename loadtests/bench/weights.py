@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = [None if t == "default" else int(t) for t in args.targets.split(",")]
     print(f"two tenants, weights 1 and 3, {args.inflight} requests in flight each ({args.prompt} prompt / "
           f"{args.output} output tokens), {args.max_running} running slots (nothing queues)")
-    from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+    from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
     tm = IterationTimeModel.load(DEFAULT_PROFILE)
     print(f"simulator ({tm.describe()}), {args.iterations} iterations after 100 of warm-up:")

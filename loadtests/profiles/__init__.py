@@ -1,4 +1,4 @@
-"""Iteration time models (`worker.sim.runner.IterationTimeModel` JSON files) measured by
+"""Iteration time models (`loadtests.sim.runner.IterationTimeModel` JSON files) measured by
 `fairshare sim calibrate`.
 
 `DEFAULT_PROFILE`: this machine's CPU calibration of the random tiny Llama, the model every report and

@@ -1,4 +1,4 @@
-"""The pool section of the fairness report (`fairshare sim report`, `worker.sim.pool`).
+"""The pool section of the fairness report (`fairshare sim report`, `loadtests.sim.pool`).
 
 Two experiments, each printed as figures with their checks and written as a markdown section:
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from fairshare.workloads.pool import SKEWED_OVERLOAD
 from fairshare.workloads.shared_prefix import SHARED_SYSTEM_PROMPTS
 from worker.scheduling.metrics import compute_metrics
-from worker.sim.pool import PoolResult, base_workload, pool_rate_scale, run_pool, single_worker_equivalent
-from worker.sim.runner import IterationTimeModel
+from loadtests.sim.pool import PoolResult, base_workload, pool_rate_scale, run_pool, single_worker_equivalent
+from loadtests.sim.runner import IterationTimeModel
 
 ROUTINGS = ("least-loaded", "prefix", "fair")
 SINGLE = "single"
@@ -209,7 +209,7 @@ def section(pb: PoolBench) -> list[str]:
     w = base_workload(SHARED_SYSTEM_PROMPTS)
     out = ["## A pool of workers", "",
            "N simulated workers behind the gateway's own routing code (`gateway/routing_policy.py`, the module the "
-           "gateway runs), on one virtual time line (`worker/sim/pool.py`). With `fair` routing the workers order by "
+           "gateway runs), on one virtual time line (`loadtests/sim/pool.py`). With `fair` routing the workers order by "
            "pool-wide counters exchanged every 0.1 s of virtual time (`worker/scheduling/pool.py`) and the router "
            "spills a tenant queued at its affine worker to spare capacity or to where its pool-wide counter puts "
            "it first in line; `prefix` and `least-loaded` run each worker's own VTC. "

@@ -20,8 +20,8 @@ from pathlib import Path
 from loadtests.profiles import DEFAULT_PROFILE
 from fairshare.workloads import Workload, get_workload
 from worker.scheduling.metrics import percentile
-from worker.sim.driver import run_workload
-from worker.sim.runner import IterationTimeModel
+from loadtests.sim.driver import run_workload
+from loadtests.sim.runner import IterationTimeModel
 
 
 

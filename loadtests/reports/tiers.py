@@ -28,8 +28,8 @@ import math
 from loadtests.profiles import DEFAULT_PROFILE
 from fairshare.workloads import Workload, get_workload
 from worker.scheduling.metrics import compute_metrics
-from worker.sim.driver import run_workload
-from worker.sim.runner import IterationTimeModel
+from loadtests.sim.driver import run_workload
+from loadtests.sim.runner import IterationTimeModel
 
 RATIO_GOAL = 1.5     # interactive TTFT p99 within this multiple of its solo p99
 

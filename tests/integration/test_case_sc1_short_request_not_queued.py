@@ -18,7 +18,7 @@ import pytest
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from worker.scheduling.metrics import EventLog
-from worker.sim.runner import ClockedRunner, IterationTimeModel, VirtualClock
+from loadtests.sim.runner import ClockedRunner, IterationTimeModel, VirtualClock
 
 # Shape of this machine's calibration (loadtests/profiles/cpu-random-tiny.json), fixed here so the
 # test does not move when the profile is re-measured.

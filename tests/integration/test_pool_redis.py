@@ -21,7 +21,7 @@ from gateway.replicas import ReplicaRegistry
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from worker.pool_service import PoolService
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 
 def prefix() -> str:

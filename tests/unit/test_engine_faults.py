@@ -8,7 +8,7 @@ import pytest
 from worker.engine.engine import Engine, EngineConfig, EngineFailed
 from worker.engine.sequence import SamplingParams
 from worker.faults import FaultWindow
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 TIME = IterationTimeModel(0.01, 0.0001, 0.001, 0.0)
 

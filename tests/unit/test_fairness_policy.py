@@ -17,7 +17,7 @@ from worker.scheduling.policy import VTCPredictPolicy, make_policy
 
 def test_new_scheduling_modules_import_neither_torch_nor_grpc():
     code = ("import sys, worker.scheduling.drr, worker.scheduling.eligibility, worker.scheduling.metrics, "
-            "worker.sim.runner, fairshare.workloads; "
+            "loadtests.sim.runner, fairshare.workloads; "
             "bad=[m for m in ('torch','grpc') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 

@@ -22,7 +22,7 @@ from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from worker.scheduling.metrics import EventLog, compute_metrics, vtc_bound
 from worker.scheduling.policy import VTCPolicy
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 TIME = IterationTimeModel(a=1e-3, b=2e-5, c=1e-4, d=1e-7, source="test")
 # FAIRSHARE_PROP_EXAMPLES=200 searches deeper than the default run

@@ -11,8 +11,8 @@ import pytest
 from fairshare.workloads import TenantLoad, Workload, all_workloads, get_workload, quota_workloads
 from tests.support.skips import require_module
 from worker.scheduling.metrics import compute_metrics
-from worker.sim.driver import run_workload
-from worker.sim.runner import IterationTimeModel, SimItem, SimulatedRunner, VirtualClock
+from loadtests.sim.driver import run_workload
+from loadtests.sim.runner import IterationTimeModel, SimItem, SimulatedRunner, VirtualClock
 
 MATPLOTLIB_HINT = "pip install -e '.[loadtest]' (make install does)"
 

@@ -1,4 +1,4 @@
-"""The pool simulator (worker/sim/pool.py) and the pool section of the report (loadtests/reports/pool.py):
+"""The pool simulator (loadtests/sim/pool.py) and the pool section of the report (loadtests/reports/pool.py):
 the figures `fairshare sim run --workers N` and `fairshare sim report` print, on seeded runs (the
 simulator is deterministic, so these are exact figures, not samples)."""
 
@@ -12,9 +12,9 @@ from fairshare.cli.sim import DEFAULT_PROFILE, main
 from fairshare.workloads.pool import SKEWED_OVERLOAD
 from fairshare.workloads.shared_prefix import SMALL
 from loadtests.reports import pool as pool_report
-from worker.sim.pool import run_pool, single_worker_equivalent
+from loadtests.sim.pool import run_pool, single_worker_equivalent
 from loadtests.reports.fairness import resolve_rate_scale
-from worker.sim.runner import IterationTimeModel
+from loadtests.sim.runner import IterationTimeModel
 
 TM = IterationTimeModel.load(DEFAULT_PROFILE)
 

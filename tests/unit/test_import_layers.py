@@ -4,10 +4,10 @@ and TYPE_CHECKING imports included, relative imports resolved) and checked again
 Layers, top to bottom:
 
 - ``cli``: `fairshare/cli/` (the `fairshare` command line, the `up` supervisor, `top`);
-- ``loadtests``: `loadtests/` (benchmarks, report writers, Locust campaigns, the `fairshare up` handle);
-- ``sim``: `worker/sim/` (the simulator: the real engine on a simulated runner, and a pool of them behind
-  the gateway's routing policy): a tool, not serving code;
-- serving: ``gateway`` (`gateway/`), ``worker`` (`worker/` outside `worker/sim/`), with
+- ``loadtests``: `loadtests/` (benchmarks, report writers, Locust campaigns, the `fairshare up` handle, and
+  the simulator `loadtests/sim/`: the real engine on a simulated runner, and a pool of them behind the
+  gateway's routing policy — a tool above both tiers, not serving code);
+- serving: ``gateway`` (`gateway/`), ``worker`` (`worker/`), with
   ``scheduling`` (`worker/scheduling/`, framework-free) at its bottom;
 - ``shared``: `fairshare/` outside `fairshare/cli/` (tenant schema, tiers, the gRPC contract and stubs,
   telemetry, worker authentication, workload definitions).
@@ -29,33 +29,28 @@ GENERATED = ("fairshare/v1/",)  # protoc output: imports grpc and protobuf, noth
 SERVING = ("gateway", "worker", "scheduling", "shared")
 RULES: dict[str, dict[str, str]] = {
     "worker": {"gateway": "worker never imports the gateway", "loadtests": "serving code imports no benchmark",
-               "cli": "the command line sits above both tiers", "sim": "serving code does not run the simulator"},
+               "cli": "the command line sits above both tiers"},
     "scheduling": {"torch": "worker/scheduling is framework-free", "grpc": "worker/scheduling is framework-free",
                    "sglang": "worker/scheduling is framework-free",
                    "worker": "worker/scheduling imports no engine or server (executors call it, not the reverse)",
-                   "sim": "serving code does not run the simulator", "gateway": "worker never imports the gateway",
+                   "gateway": "worker never imports the gateway",
                    "loadtests": "serving code imports no benchmark", "cli": "the command line sits above both tiers"},
     "gateway": {"torch": "the gateway never imports torch", "sglang": "the gateway never imports an engine",
                 "worker": "gateway and worker never import each other",
                 "scheduling": "gateway and worker never import each other",
-                "sim": "serving code does not run the simulator", "loadtests": "serving code imports no benchmark",
+                "loadtests": "serving code imports no benchmark",
                 "cli": "the command line sits above both tiers"},
     "shared": {"torch": "both tiers import the shared layer (the gateway never imports torch)",
                "sglang": "both tiers import the shared layer", "gateway": "the shared layer imports no tier",
                "worker": "the shared layer imports no tier", "scheduling": "the shared layer imports no tier",
-               "sim": "the shared layer imports no tier", "loadtests": "serving code imports no benchmark",
+               "loadtests": "serving code imports no benchmark",
                "cli": "the command line sits above both tiers"},
-    "sim": {"gateway": "the simulator runs the gateway's routing policy and nothing else of the gateway",
-            "loadtests": "the simulator's reports and benchmarks sit above it", "cli": "the command line sits on top"},
     "loadtests": {"cli": "the command line sits on top (it dispatches to the benchmarks, not the reverse)"},
 }
 
 # (source layer, module) -> why that layer may import it although a rule above forbids its layer. Each entry
 # must still be used (test_every_exemption_is_still_used), so that it goes when the import goes.
-EXEMPT: dict[tuple[str, str], str] = {
-    ("sim", "gateway.routing_policy"):
-        "the pool simulator (worker/sim/pool.py) routes with the module the gateway runs (stdlib only, no copy)",
-}
+EXEMPT: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ class Violation:
 
 # dotted prefix -> layer, most specific first (a path is turned into its module name and looked up here)
 PREFIX_LAYERS = (("fairshare.cli", "cli"), ("fairshare", "shared"), ("loadtests", "loadtests"),
-                 ("gateway", "gateway"), ("worker.sim", "sim"), ("worker.scheduling", "scheduling"),
+                 ("gateway", "gateway"), ("worker.scheduling", "scheduling"),
                  ("worker", "worker"), ("torch", "torch"), ("grpc", "grpc"), ("sglang", "sglang"))
 
 
@@ -165,8 +160,8 @@ def test_the_checker_reports_every_planted_violation_with_file_and_line(tmp_path
         "fairshare/tiers.py": "from fairshare import cli\n",
         "loadtests/bench/x.py": "from worker.engine.engine import Engine\nfrom fairshare.cli.up import main\n",
         "fairshare/cli/main.py": "from loadtests.bench import engine\nfrom gateway import cli\nimport worker.cli\n",
-        "worker/sim/pool.py": "from gateway.routing_policy import PoolBoard\nfrom gateway.app import create_app\n",
-        "worker/server.py": "from worker.sim.runner import VirtualClock\n",
+        "loadtests/sim/pool.py": "from gateway.routing_policy import PoolBoard\nfrom fairshare.cli import sim\n",
+        "worker/server.py": "from loadtests.sim.runner import VirtualClock\n",
     }
     for rel, text in files.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -181,14 +176,11 @@ def test_the_checker_reports_every_planted_violation_with_file_and_line(tmp_path
         "fairshare/config.py:1:fairshare.cli.up",
         "fairshare/tiers.py:1:fairshare.cli",
         "loadtests/bench/x.py:2:fairshare.cli.up.main",
-        "worker/sim/pool.py:1:gateway.routing_policy.PoolBoard",
-        "worker/sim/pool.py:2:gateway.app.create_app",
-        "worker/server.py:1:worker.sim.runner.VirtualClock",
+        "loadtests/sim/pool.py:2:fairshare.cli.sim",
+        "worker/server.py:1:loadtests.sim.runner.VirtualClock",
     }
-    # the simulator's one exemption lets its routing-policy import through, and only that one
-    got = {f"{v.path}:{v.line}:{v.module}" for v in violations(tmp_path)}
-    assert "worker/sim/pool.py:1:gateway.routing_policy.PoolBoard" not in got
-    assert "worker/sim/pool.py:2:gateway.app.create_app" in got
+    # the simulator sits above both tiers: it may run the gateway's routing policy (no copy)
+    assert "loadtests/sim/pool.py:1:gateway.routing_policy.PoolBoard" not in got
     # and the failure message names each one with its rule
     text = "\n".join(map(str, violations(tmp_path, exempt={})))
     assert "worker/engine/bad.py:5: imports gateway.app.create_app (worker -> gateway: worker never imports the gateway)" in text

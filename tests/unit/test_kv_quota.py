@@ -212,8 +212,8 @@ def test_memory_flood_workload_side_by_side():
 def test_engine_snapshot_reports_quota_state():
     from fairshare.workloads import get_workload
     from loadtests.reports.quota import DEFAULT_PROFILE
-    from worker.sim.driver import run_workload
-    from worker.sim.runner import IterationTimeModel
+    from loadtests.sim.driver import run_workload
+    from loadtests.sim.runner import IterationTimeModel
 
     res = run_workload(get_workload("memory-flood"), "vtc", IterationTimeModel.load(DEFAULT_PROFILE),
                        drain_s=0.0, keep_token_times=False, kv_quota=True)

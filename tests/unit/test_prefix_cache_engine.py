@@ -11,7 +11,7 @@ import torch
 
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 PROMPT = [(7 * j) % 500 + 3 for j in range(100)]          # 6 whole blocks of 16 + 4 tokens
 
@@ -137,7 +137,7 @@ def test_cached_prompt_tokens_are_charged_at_the_declared_rate(tiny, rate):
 
 
 def test_ttft_floor_holds_back_the_first_token(tiny):
-    from worker.sim.runner import ClockedRunner
+    from loadtests.sim.runner import ClockedRunner
 
     from worker.engine.model_runner import ModelRunner
 

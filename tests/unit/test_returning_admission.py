@@ -16,7 +16,7 @@ from worker.engine.sequence import FinishReason, SamplingParams, Sequence, Seque
 from worker.scheduling.cost import LinearCost
 from worker.scheduling.policy import make_policy
 from worker.scheduling.returning import ReturningAdmission
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 _n = [0]
 

@@ -154,7 +154,7 @@ def test_service_per_tier_reaches_the_snapshot_and_prometheus():
 
     from worker.engine.engine import Engine, EngineConfig
     from worker.metrics import WorkerMetrics
-    from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+    from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
     clock = VirtualClock()
     engine = Engine(SimModel(), EngineConfig(max_running=4, num_kv_blocks=256),

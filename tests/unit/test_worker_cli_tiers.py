@@ -9,7 +9,7 @@ import pytest
 
 from worker.cli import build_parser, tier_settings
 from worker.engine.engine import Engine, EngineConfig
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 
 def settings(*argv: str) -> dict:

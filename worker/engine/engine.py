@@ -10,7 +10,7 @@ Charging (DESIGN.md, "Service unit"): the scheduler charges each prefill chunk w
 scheduled into the step that computes it; this loop charges each decode token when it is
 committed. A request that is aborted or fails keeps what it consumed.
 
-Pluggable for the simulator (worker/sim): `clock` (seconds; default `time.monotonic`) is read for
+Pluggable for the simulator (loadtests/sim): `clock` (seconds; default `time.monotonic`) is read for
 every timestamp, so a virtual clock makes runs deterministic; a runner whose `returns_token_ids`
 is true returns one token id per item instead of logits (no torch sampling, no tokenizer needed:
 a model whose `tokenizer` is None gets no detokenizer and empty text); `recorder` (e.g.

@@ -2,7 +2,7 @@
 
 Framework-free (no torch, no grpc, no Redis): the reference engine (`worker.engine.engine.Engine`,
 fed by `worker.pool_service.PoolService` through Redis) and the pool simulator
-(`worker.sim.pool`, fed on the virtual clock) call the same code.
+(`loadtests.sim.pool`, fed on the virtual clock) call the same code.
 
 The rule (docs/fairness.md, "Fair shares over a pool"): every worker runs weighted VTC (Sheng et al.,
 OSDI 2024, Algorithm 2) over *pool-wide* counters.

@@ -6,7 +6,7 @@ iteration time and returns one token id per item (`returns_token_ids = True`), a
 non-EOS token, so each request produces exactly its `max_tokens` outputs (the workload's output
 length). It imports no torch.
 
-Iteration time model (seconds), fitted by `fairshare sim calibrate` (worker/sim/calibrate.py):
+Iteration time model (seconds), fitted by `fairshare sim calibrate` (loadtests/sim/calibrate.py):
 
     t = a + b·prefill_tokens + c·batch_size + d·context_tokens
 

@@ -18,7 +18,7 @@ from fairshare.workloads import RequestSpec, Workload
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from worker.scheduling.metrics import EventLog
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 # Engine settings of the simulator unless a workload or the caller overrides them.
 SIM_ENGINE_DEFAULTS = {"max_num_batched_tokens": 512, "max_running": 64, "block_size": 16, "num_kv_blocks": 2048}

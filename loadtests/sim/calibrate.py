@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from worker.sim.runner import IterationTimeModel, batch_shape
+from loadtests.sim.runner import IterationTimeModel, batch_shape
 
 DEFAULT_GRID = {
     "prefill": [16, 64, 128, 256, 512],

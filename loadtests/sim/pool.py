@@ -31,8 +31,8 @@ from fairshare.workloads import Workload
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from worker.scheduling.metrics import EventLog
-from worker.sim.driver import engine_config, estimate_capacity_rps, synthetic_prompt
-from worker.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
+from loadtests.sim.driver import engine_config, estimate_capacity_rps, synthetic_prompt
+from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
 
 BOARD_INTERVAL_S = 0.1
 
