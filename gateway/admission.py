@@ -1,404 +1,301 @@
-"""Admission control in Redis: RPM and TPM token buckets plus an in-flight-token lease, one round trip.
+"""The admission path: admit, settle and renew leases through Redis, and keep admitting across Redis
+outages (a per-tier policy, local buckets, recovery without loss).
 
-`Admission.admit` runs `admission.lua` (registered with ``register_script``) once per request: it
-checks the tenant's requests-per-minute bucket, tokens-per-minute bucket (reserving
-``prompt + max_tokens`` tokens), in-flight tokens and concurrent requests, and charges all of them or
-none. An admitted request holds a `Lease` (a member of the tenant's lease set with an expiry time,
-default 15 s) that is renewed while the request runs (`Admission.renew_each`, called every
-``ttl/3`` seconds by `gateway.outage.AdmissionControl`, which also handles Redis outages); a gateway
-that dies leaves leases that expire on their own. `Admission.settle` refunds ``reserved - used`` TPM
-tokens and releases the lease; it is idempotent (guarded here and in Redis by the presence of the
-lease).
-`Admission.reinstate` re-creates the lease of a request still running when Redis lost it.
+`AdmissionControl` is what the request path calls to admit and settle (gateway/session.py). While Redis answers it is a thin layer
+over `gateway.redis_buckets.RedisAdmission` (one Lua call per request) that also renews the leases of running
+requests. When a Redis call fails (refused, reset, timed out) it marks Redis *down* and, until a PING
+succeeds again (every ``redis_probe_interval_s``), never waits on Redis:
 
-Each lease also carries when its request is expected to end (``lease_ends``: set at admission from
-the gateway's measured output rate, refreshed at every renewal, gateway/progress.py), so a 429 for
-concurrency or in-flight tokens says when enough running requests will have ended (see
-``admission.lua``) rather than quoting the lease TTL.
+- a tier whose policy is ``fail_closed`` gets 503 (OpenAI-shaped, ``retry-after``) at once;
+- a tier whose policy is ``degrade`` is admitted by `gateway.local_buckets.LocalAdmission`: this replica's in-memory
+  buckets with every limit divided by the number of gateway replicas (RPM, TPM, in-flight tokens,
+  concurrent requests), so N replicas together stay within the tenant's limits. N is the live count
+  last seen in Redis (`gateway.replicas`; `set_live_replicas`), never below ``gateway_replicas``. This replica's own running
+  requests (admitted through Redis before the outage) count against the local in-flight limits.
+- settlements owed to Redis (a lease to release, a TPM refund) are kept and made when it is back.
 
-Keys are ``<prefix>:{<tenant>}:rpm|tpm|leases|lease_tokens|lease_ends``; the ``{tenant}`` hash tag
-keeps a tenant's keys in one Redis Cluster slot.
+Recovery (the first PING that succeeds), before any request is admitted through Redis again:
+
+1. the scripts are loaded again (a restarted Redis has none) and every owed release is made; a
+   release refunds only a lease Redis still holds, so a restarted (empty) Redis gets no refunds for
+   reservations it never saw, and a repeated release changes nothing;
+2. the lease of every request still running on this replica is renewed, and re-created where Redis
+   lost it (restarted empty, or expired during the outage): no running request is left without its
+   lease;
+3. every lease held locally moves into Redis (its TPM charge stays in the local bucket that made it,
+   which also receives its refund): after recovery each running request holds exactly one lease,
+   in Redis.
+
+Every Redis call made for one lease (renew, re-create, release) holds that lease's lock, so a
+settlement can never be overtaken by a re-creation of the same lease.
+
+A Redis that restarts between two calls (faster than this replica notices it is gone: redis-py
+reconnects on its own) is detected by the admission script it no longer has (NOSCRIPT): the leases
+of every running request are then renewed or re-created (step 3 above) before that admission runs,
+so it counts them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Awaitable, Callable, Iterable
+import logging
+import time
+from typing import Callable
 
-from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError
+from redis.exceptions import RedisError
 
 from fairshare.config import TenantConfig
 
+from .background import Background
+from .local_buckets import LocalAdmission
+from .redis_buckets import Decision, Lease, RedisAdmission
 
-_BUCKET_LUA = (Path(__file__).with_name("bucket.lua")).read_text(encoding="utf-8")
-_ADMIT_LUA = _BUCKET_LUA + (Path(__file__).with_name("admission.lua")).read_text(encoding="utf-8")
+log = logging.getLogger("fairshare.gateway")
 
-_SETTLE_LUA = _BUCKET_LUA + """
--- KEYS: 1 TPM bucket, 2 leases zset, 3 leases hash, 4 lease ends hash.  ARGV: 1 tpm limit (-1 = none),
--- 2 lease id, 3 refund (tokens), 4 the clock in ms (-1 = Redis TIME). Refunds only if the lease was
--- still held, so a repeated call changes nothing.
-local limit, id, refund = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local had = redis.call('HDEL', KEYS[3], id)
-redis.call('ZREM', KEYS[2], id)
-redis.call('HDEL', KEYS[4], id)
-if had == 1 and limit >= 0 and refund > 0 then
-  local now = clock_ms(ARGV[4])
-  local tokens, rate = bucket_level(KEYS[1], limit, now)
-  bucket_store(KEYS[1], limit, math.min(limit, tokens + refund), rate, now)
-end
-return had
-"""
+REDIS_ERRORS = (RedisError, OSError)
 
 
-def bucket_level(tokens: float, at_ms: float, now_ms: float, limit: float) -> float:
-    """Tokens in a bucket of capacity `limit` at `now_ms` that held `tokens` at `at_ms`: the refill
-    rule of gateway/bucket.lua in Python, operation for operation (continuous refill at
-    ``limit / 60000`` per ms, capped at `limit`), so the local buckets of gateway/outage.py decide
-    exactly as Redis does (tests/integration/test_bucket_parity.py)."""
-    if now_ms > at_ms:
-        tokens = tokens + (now_ms - at_ms) * (limit / 60000.0)
-    return limit if tokens > limit else tokens
+class RedisUnavailable(Exception):
+    """Redis is unreachable and the tenant's tier fails closed. `retry_after_s`: when to try again."""
+
+    def __init__(self, cause: str, retry_after_s: float) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.retry_after_s = retry_after_s
 
 
-def bucket_wait_ms(tokens: float, need: float, limit: float) -> float:
-    """Milliseconds until a bucket of capacity `limit` holding `tokens` holds `need` (admission.lua's
-    retry and reset figures; callers round up)."""
-    return (need - tokens) / (limit / 60000.0)
+class AdmissionControl:
+    """Admission, settlement and lease renewal across Redis outages (see the module docstring).
 
-_RENEW_LUA = """
--- KEYS: 1 leases zset, 2 leases hash, 3 lease ends hash. ARGV: 1 ttl (ms), 2 lease id, 3 expected
--- remaining ms of its request (-1 = unknown: the stored end stays). Extends a lease that still
--- exists (never re-creates a settled or expired one). Returns 1 when renewed.
-local ttl, id, left = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3] or '-1')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local score = redis.call('ZSCORE', KEYS[1], id)
-if not score or tonumber(score) <= now then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', now + ttl, id)
-if left >= 0 then redis.call('HSET', KEYS[3], id, string.format('%.17g', now + left)) end
-for _, k in ipairs(KEYS) do
-  if redis.call('PTTL', k) < ttl + 1000 then redis.call('PEXPIRE', k, math.ceil(ttl) + 1000) end
-end
-return 1
-"""
-
-_REINSTATE_LUA = """
--- KEYS: 1 leases zset, 2 leases hash, 3 lease ends hash. ARGV: 1 ttl (ms), 2 lease id, 3 tokens,
--- 4 expected remaining ms (-1 = unknown). (Re)creates the lease of
--- a request that is still running but whose lease Redis lost (restarted empty, or expired while
--- Redis was unreachable), or moves a lease held locally during an outage into Redis. Returns 1 when
--- the lease had to be created, 0 when it existed (then only its expiry is extended).
-local ttl, id, tokens, left = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4] or '-1')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local existed = redis.call('HEXISTS', KEYS[2], id)
-redis.call('ZADD', KEYS[1], now + ttl, id)
-redis.call('HSET', KEYS[2], id, tokens)
-if left >= 0 then redis.call('HSET', KEYS[3], id, string.format('%.17g', now + left)) end
-for _, k in ipairs(KEYS) do
-  if redis.call('PTTL', k) < ttl + 1000 then redis.call('PEXPIRE', k, math.ceil(ttl) + 1000) end
-end
-return 1 - existed
-"""
-
-REASONS = {0: "ok", 1: "requests", 2: "tokens", 3: "inflight_tokens", 4: "concurrent_requests",
-           5: "tokens_never_fit", 6: "inflight_never_fit"}
-
-
-def format_duration(seconds: float) -> str:
-    """A duration as OpenAI writes it in ``x-ratelimit-reset-*``: ``12ms``, ``1.5s``, ``6m0s``, ``1h2m3s``."""
-    if seconds <= 0:
-        return "0s"
-    if seconds < 1:
-        return f"{max(1, math.ceil(seconds * 1000))}ms"
-    ms_total = math.ceil(seconds * 1000)
-    h, rem = divmod(ms_total, 3_600_000)
-    m, rem = divmod(rem, 60_000)
-    s = rem / 1000
-    s_txt = (f"{s:.3f}".rstrip("0").rstrip(".")) + "s"
-    if h:
-        return f"{h}h{m}m{s_txt}"
-    if m:
-        return f"{m}m{s_txt}"
-    return s_txt
-
-
-@dataclass(frozen=True)
-class RateLimitState:
-    """Bucket state after a decision. Limits are per minute; ``None`` = unlimited. Resets in seconds."""
-
-    rpm_limit: int | None
-    rpm_remaining: int | None
-    rpm_reset_s: float
-    tpm_limit: int | None
-    tpm_remaining: int | None
-    tpm_reset_s: float
-
-    def headers(self) -> dict[str, str]:
-        """``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the limits that exist."""
-        h: dict[str, str] = {}
-        if self.rpm_limit is not None:
-            h["x-ratelimit-limit-requests"] = str(self.rpm_limit)
-            h["x-ratelimit-remaining-requests"] = str(max(0, self.rpm_remaining or 0))
-            h["x-ratelimit-reset-requests"] = format_duration(self.rpm_reset_s)
-        if self.tpm_limit is not None:
-            h["x-ratelimit-limit-tokens"] = str(self.tpm_limit)
-            h["x-ratelimit-remaining-tokens"] = str(max(0, self.tpm_remaining or 0))
-            h["x-ratelimit-reset-tokens"] = format_duration(self.tpm_reset_s)
-        return h
-
-
-@dataclass(eq=False)
-class Lease:
-    """An admitted request's hold on its tenant's limits: `tokens` reserved (TPM and in flight).
-
-    ``store``: where the in-flight lease is held, ``redis`` or ``local`` (this replica's buckets while
-    Redis is unreachable, see gateway/outage.py); ``tpm_store``: where its TPM reservation was charged
-    (and so where the unused part is refunded). A local lease moves to Redis when Redis returns; its
-    TPM charge stays where it was made. ``lock`` orders the Redis calls made for one lease.
+    policy(tier) -> ``fail_closed`` | ``degrade``. `metrics`: a `GatewayMetrics` (optional).
     """
 
-    tenant_id: str
-    lease_id: str
-    tokens: int
-    tpm_limit: int | None
-    settled: bool = False
-    refunded: int = 0
-    store: str = "redis"
-    tpm_store: str = "redis"
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    # () -> seconds its request still needs (None: unknown); set by the app once the request runs
-    remaining_s: Callable[[], float | None] | None = field(default=None, repr=False)
+    def __init__(self, admission: RedisAdmission, policy: Callable[[object], str], *, replicas: int = 1,
+                 probe_interval_s: float = 0.5, renew_interval_s: float | None = None, metrics=None) -> None:
+        self.admission = admission
+        self.policy = policy
+        self.replicas_floor = max(1, int(replicas))
+        self.local = LocalAdmission(replicas, retry_s=max(1.0, probe_interval_s))
+        self.probe_interval_s = probe_interval_s
+        self.renew_interval_s = renew_interval_s or max(0.05, admission.lease_ttl_s / 3)
+        self.metrics = metrics
+        self.up = True
+        self.down_since: float | None = None
+        self.outages = 0
+        self.live: dict[str, Lease] = {}  # leases of this replica not yet released, by lease id
+        self.owed: dict[str, tuple[str, int, int | None]] = {}  # Redis releases to make: id -> (tenant, refund, tpm)
+        self._wake = asyncio.Event()
+        self._loop = Background("admission-control", self._run)
+        self._recover_lock = asyncio.Lock()
+        admission.on_scripts_lost = self._scripts_lost
+        self._gauge()
 
-    def remaining_ms(self) -> int:
-        """Expected remaining milliseconds of its request, or -1 when unknown (the scripts' convention)."""
-        left = self.remaining_s() if self.remaining_s is not None else None
-        return -1 if left is None else max(0, round(left * 1000))
+    @property
+    def lease_ttl_s(self) -> float:
+        return self.admission.lease_ttl_s
 
+    def set_live_replicas(self, n: int) -> None:
+        """The live gateway replica count (`gateway.replicas.ReplicaRegistry`): degraded local
+        buckets hold ``limit / max(floor, n)``, the floor being the configured ``replicas``."""
+        self.local.replicas = max(self.replicas_floor, int(n))
+        if self.metrics is not None:
+            self.metrics.gateway_replicas.set(self.local.replicas)
 
-@dataclass(frozen=True)
-class Decision:
-    """Outcome of `Admission.admit`.
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.redis_up.set(1 if self.up else 0)
 
-    ``reason`` is one of ``ok``, ``requests``, ``tokens``, ``inflight_tokens``, ``concurrent_requests``,
-    ``tokens_never_fit``, ``inflight_never_fit``; ``retry_after_s`` is the time (seconds) until the
-    limiting bucket holds enough (for leases: until the oldest lease expires unless renewed).
-    """
+    def retry_after_s(self) -> float:
+        """What a fail-closed 503 tells the client (at least 1 s)."""
+        return max(1.0, self.probe_interval_s)
 
-    admitted: bool
-    reason: str
-    state: RateLimitState
-    retry_after_s: float
-    inflight_tokens: int
-    concurrent: int
-    lease: Lease | None = None
+    def went_down(self, err: BaseException) -> None:
+        """Record a failed Redis call: from now on requests take their tier's outage policy."""
+        if self.metrics is not None:
+            self.metrics.redis_errors.inc()
+        if not self.up:
+            return
+        self.up = False
+        self.down_since = time.monotonic()
+        self.outages += 1
+        self._gauge()
+        log.error("Redis is unreachable (%s: %s); until it answers, tiers with policy 'degrade' are admitted "
+                  "against this replica's buckets at limit/%d, the others get 503", type(err).__name__, err,
+                  self.local.replicas)
+        self._wake.set()
 
+    async def _scripts_lost(self) -> None:
+        """Redis answered NOSCRIPT: it restarted (or was flushed) since the scripts were loaded. Renew
+        or re-create the leases of every running request before the admission that found it runs."""
+        running = sum(1 for le in self.live.values() if le.store == "redis" and not le.settled)
+        log.warning("Redis does not have the admission scripts (restarted, flushed, or not reachable when this "
+                    "gateway started); restoring the leases of %d running request(s) before admitting", running)
+        await self.admission.load()
+        await self.renew_all()
 
-def tenant_keys(prefix: str, tenant_id: str) -> list[str]:
-    """``[rpm, tpm, leases, lease_tokens]`` keys of a tenant, hash-tagged ``{tenant_id}``."""
-    base = f"{prefix}:{{{tenant_id}}}"
-    return [f"{base}:rpm", f"{base}:tpm", f"{base}:leases", f"{base}:lease_tokens"]
+    # -- admission ---------------------------------------------------------------------------------
+    async def admit(self, tenant: TenantConfig, cost: int, lease_id: str, expected_s: float | None = None) -> Decision:
+        """Admit through Redis, or by the tier's outage policy while Redis is down.
 
-
-def lease_ends_key(prefix: str, tenant_id: str) -> str:
-    """The hash of a tenant's leases' expected end times (ms, Redis clock), in the tenant's slot."""
-    return f"{prefix}:{{{tenant_id}}}:lease_ends"
-
-
-MAX_HINTS = 64  # running leases whose fresh estimate one admission call carries (the soonest to end)
-
-
-def _lim(v: int | None) -> int:
-    return -1 if v is None else int(v)
-
-
-class Admission:
-    """Per-tenant admission in Redis (see module docstring). Raises redis exceptions when Redis fails.
-
-    on_scripts_lost: an async callable run when Redis answers an admission with NOSCRIPT (it lost
-    the scripts: restarted, or flushed) before the scripts are loaded again and the call repeated;
-    `gateway.outage.AdmissionControl` restores the leases of running requests there, so that the
-    admission that follows counts them.
-    """
-
-    def __init__(self, redis: Redis | RedisCluster, prefix: str = "fairshare", lease_ttl_s: float = 15.0) -> None:
-        self.redis = redis
-        self.prefix = prefix
-        self.lease_ttl_s = lease_ttl_s
-        self.on_scripts_lost: Callable[[], Awaitable[None]] | None = None
-        # () -> the scripts' clock in ms; None: Redis TIME (production). Tests drive time with it.
-        self.clock_ms: Callable[[], float] | None = None
-        self.scripts_lost = 0  # times Redis was found without the scripts
-        self._admit = redis.register_script(_ADMIT_LUA)
-        self._settle = redis.register_script(_SETTLE_LUA)
-        self._renew = redis.register_script(_RENEW_LUA)
-        self._reinstate = redis.register_script(_REINSTATE_LUA)
-
-    async def load(self) -> None:
-        """Load the scripts into Redis now, so that each later call is a single EVALSHA round trip."""
-        for script in (self._admit, self._settle, self._renew, self._reinstate):
-            script.sha = await self.redis.script_load(script.script)
-
-    def keys(self, tenant_id: str) -> list[str]:
-        """Redis keys of a tenant: RPM bucket, TPM bucket, lease zset, lease hash (one hash slot)."""
-        return tenant_keys(self.prefix, tenant_id)
-
-    def ends_key(self, tenant_id: str) -> str:
-        """The tenant's lease-ends hash (same hash slot as `keys`)."""
-        return lease_ends_key(self.prefix, tenant_id)
-
-    async def _eval_admit(self, keys: list[str], args: list):
-        """Run the admission script; when Redis lost it, call `on_scripts_lost`, reload, repeat."""
-        sha = self._admit.sha
-        try:
-            return await self.redis.evalsha(sha, len(keys), *keys, *args)
-        except NoScriptError:
-            self.scripts_lost += 1
-            if self.on_scripts_lost is not None:
-                await self.on_scripts_lost()
-            await self.load()
-            return await self.redis.evalsha(self._admit.sha, len(keys), *keys, *args)
-
-    @staticmethod
-    def decision(raw: list, tenant: TenantConfig, lease: Lease | None) -> Decision:
-        """The `Decision` of the admission script's answer `raw` (`lease`: the one it was asked to admit)."""
-        vals = [int(x) for x in raw]
-        admitted, reason, rl, rrem, rreset, tl, trem, treset, retry_ms, inflight, conc = vals
-        state = RateLimitState(
-            rpm_limit=None if rl < 0 else rl, rpm_remaining=None if rl < 0 else rrem, rpm_reset_s=rreset / 1000,
-            tpm_limit=None if tl < 0 else tl, tpm_remaining=None if tl < 0 else trem, tpm_reset_s=treset / 1000,
-        )
-        return Decision(bool(admitted), REASONS.get(reason, str(reason)), state, retry_ms / 1000, inflight, conc,
-                        lease if admitted else None)
-
-    def _args(self, mode: str, tenant: TenantConfig, cost: int, lease_id: str, expected_s: float | None = None,
-              running: Iterable[Lease] = ()) -> list:
-        lim = tenant.limits
-        args = [mode, _lim(lim.rpm), _lim(lim.tpm), _lim(lim.max_inflight_tokens), _lim(lim.max_concurrent_requests),
-                int(cost), lease_id, int(self.lease_ttl_s * 1000),
-                -1 if expected_s is None else max(0, round(expected_s * 1000)), self._now_arg()]
-        if lim.max_inflight_tokens is not None or lim.max_concurrent_requests is not None:
-            hints = sorted((ms, le.lease_id) for le in running if not le.settled and (ms := le.remaining_ms()) >= 0)
-            for ms, lid in hints[:MAX_HINTS]:
-                args += [lid, ms]
-        return args
-
-    def _now_arg(self) -> str:
-        return "-1" if self.clock_ms is None else repr(float(self.clock_ms()))
-
-    def release_args(self, tenant_id: str, lease_id: str, refund: int, tpm_limit: int | None) -> tuple[list, list]:
-        """(keys, args) of the settle script for `release`."""
-        k = self.keys(tenant_id)
-        return ([k[1], k[2], k[3], self.ends_key(tenant_id)],
-                [_lim(tpm_limit), lease_id, int(refund), self._now_arg()])
-
-    def admit_args(self, tenant: TenantConfig, cost: int, lease_id: str, expected_s: float | None = None,
-                   running: Iterable[Lease] = (), mode: str = "admit") -> tuple[list, list]:
-        """(keys, args) of the admission script (`admit`; ``mode="peek"``: `peek`)."""
-        return (self.keys(tenant.id) + [self.ends_key(tenant.id)],
-                self._args(mode, tenant, cost, lease_id, expected_s, running))
-
-    async def admit(self, tenant: TenantConfig, cost: int, lease_id: str | None = None, *,
-                    expected_s: float | None = None, running: Iterable[Lease] = ()) -> Decision:
-        """Admit a request reserving `cost` tokens (prompt + max_tokens), all-or-nothing, one round trip.
-
-        expected_s: how long the request is expected to run (seconds; None: unknown), stored as its
-        lease's end. running: this gateway's running leases of the tenant, whose current estimates
-        (`Lease.remaining_s`) the retry hint of a concurrency or in-flight 429 uses.
-        On success the decision carries a `Lease` that must be settled with `settle`.
+        expected_s: how long the request is expected to run (seconds; None: unknown): its lease's
+        expected end, for the retry hints of later 429s (gateway/progress.py).
+        Raises RedisUnavailable when Redis is down and the tier fails closed.
         """
-        lease_id = lease_id or uuid.uuid4().hex
-        raw = await self._eval_admit(*self.admit_args(tenant, cost, lease_id, expected_s, running))
-        lease = Lease(tenant.id, lease_id, int(cost), tenant.limits.tpm)
-        return self.decision(raw, tenant, lease)
-
-    async def peek(self, tenant: TenantConfig) -> Decision:
-        """Report the tenant's buckets and leases without charging anything."""
-        raw = await self._eval_admit(*self.admit_args(tenant, 0, "-", mode="peek"))
-        return self.decision(raw, tenant, None)
-
-    async def settle(self, lease: Lease, used_tokens: int) -> bool:
-        """Release `lease` and refund ``lease.tokens - used_tokens`` TPM tokens (never negative).
-
-        Idempotent: only the first call has an effect; returns True when this call released the lease.
-        """
-        if lease.settled:
-            return False
-        lease.settled = True
-        refund = max(0, lease.tokens - max(0, int(used_tokens)))
-        lease.refunded = refund
-        return await self.release(lease.tenant_id, lease.lease_id, refund, lease.tpm_limit)
-
-    async def release(self, tenant_id: str, lease_id: str, refund: int, tpm_limit: int | None) -> bool:
-        """Remove a lease and, only if it was still held, refund `refund` tokens to the TPM bucket of
-        limit `tpm_limit` (None: no refund). No guard on this side: safe to repeat (a second call finds
-        no lease and refunds nothing). Returns True when the lease was held."""
-        keys, args = self.release_args(tenant_id, lease_id, refund, tpm_limit)
-        return bool(await self._settle(keys=keys, args=args))
-
-    async def renew(self, leases: list[Lease]) -> int:
-        """Extend every live lease by the TTL in one pipelined round trip; returns how many were renewed."""
-        return sum(await self.renew_each(leases))
-
-    def _lease_keys(self, tenant_id: str) -> list[str]:
-        k = self.keys(tenant_id)
-        return [k[2], k[3], self.ends_key(tenant_id)]
-
-    async def renew_each(self, leases: list[Lease]) -> list[bool]:
-        """Extend every unsettled lease of `leases` by the TTL and refresh its expected end (one
-        pipelined round trip); for each of them, whether Redis still held it (settled ones are skipped
-        and count as False)."""
-        live = [le for le in leases if not le.settled]
-        out = [False] * len(leases)
-        if not live:
-            return out
-        ttl_ms = int(self.lease_ttl_s * 1000)
-        if not isinstance(self.redis, Redis):  # Redis Cluster: one call per lease, each to its slot's node
-            res = await asyncio.gather(*(self._renew(keys=self._lease_keys(le.tenant_id),
-                                                     args=[ttl_ms, le.lease_id, le.remaining_ms()]) for le in live))
+        if self.up:
+            running = [le for le in self.live.values() if le.tenant_id == tenant.id and le.store == "redis"]
+            try:
+                d = await self.admission.admit(tenant, cost, lease_id=lease_id, expected_s=expected_s,
+                                               running=running)
+            except REDIS_ERRORS as e:
+                self.went_down(e)
+                # the call may have been applied before the connection broke: release it (with a full
+                # refund, made only if Redis holds that lease) once Redis answers again
+                self.owed[lease_id] = (tenant.id, int(cost), tenant.limits.tpm)
+                cause = type(e).__name__
+            else:
+                if d.lease is not None:
+                    self.live[d.lease.lease_id] = d.lease
+                return d
         else:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for le in live:
-                    await self._renew(keys=self._lease_keys(le.tenant_id),
-                                      args=[ttl_ms, le.lease_id, le.remaining_ms()], client=pipe)
-                res = await pipe.execute()
-        renewed = {id(le) for le, r in zip(live, res) if int(r)}
-        return [id(le) in renewed for le in leases]
+            cause = "down"
+        if self.policy(tenant.tier) == "degrade":
+            held = [le for le in self.live.values() if le.tenant_id == tenant.id and le.store == "redis"]
+            d = self.local.admit(tenant, cost, lease_id, held)
+            if d.lease is not None:
+                self.live[d.lease.lease_id] = d.lease
+                if self.metrics is not None:
+                    self.metrics.degraded_admissions.labels(tenant.id).inc()
+            return d
+        raise RedisUnavailable(cause, self.retry_after_s())
 
-    async def reinstate(self, lease: Lease) -> bool:
-        """Hold `lease` in Redis again (its tokens, a fresh TTL) whatever Redis remembers of it: for a
-        request that is still running. Returns True when Redis did not hold it."""
-        created = await self._reinstate(keys=self._lease_keys(lease.tenant_id),
-                                        args=[int(self.lease_ttl_s * 1000), lease.lease_id, int(lease.tokens),
-                                              lease.remaining_ms()])
-        return bool(int(created))
-
-    async def leases(self, tenant_id: str) -> dict[str, int]:
-        """The tenant's unexpired leases: lease id -> tokens (for tests and operators)."""
-        k = self.keys(tenant_id)
-        t = await self.redis.time()
-        now_ms = t[0] * 1000 + t[1] / 1000
-        live = await self.redis.zrangebyscore(k[2], f"({now_ms}", "+inf")
-        if not live:
-            return {}
-        vals = await self.redis.hmget(k[3], live)
-        return {(m.decode() if isinstance(m, bytes) else m): int(float(v)) for m, v in zip(live, vals) if v is not None}
-
-    async def ends(self, tenant_id: str) -> dict[str, float]:
-        """The stored expected end (ms, Redis clock) of each of the tenant's leases that has one."""
-        raw = await self.redis.hgetall(self.ends_key(tenant_id))
-        return {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in raw.items()}
-
-    async def bucket(self, tenant_id: str, which: str) -> tuple[float, float] | None:
-        """Stored (tokens, timestamp ms) of the ``rpm`` or ``tpm`` bucket, or None when absent (= full)."""
-        key = self.keys(tenant_id)[0 if which == "rpm" else 1]
-        v = await self.redis.hmget(key, ["t", "ts"])
-        if v[0] is None:
+    async def peek(self, tenant: TenantConfig) -> Decision | None:
+        """The tenant's Redis buckets (for headers), or None while Redis is down or failing."""
+        if not self.up:
             return None
-        return float(v[0]), float(v[1])
+        try:
+            return await self.admission.peek(tenant)
+        except REDIS_ERRORS as e:
+            self.went_down(e)
+            return None
+
+    async def settle(self, lease: Lease, used_tokens: int) -> None:
+        """Release `lease` and refund ``tokens - used`` to the bucket that charged it; exactly once.
+        Never raises for Redis failures (the release is owed and made when Redis is back)."""
+        async with lease.lock:
+            if lease.settled:
+                return
+            lease.settled = True
+            try:
+                refund = max(0, lease.tokens - max(0, int(used_tokens)))
+                lease.refunded = refund
+                if lease.tpm_store == "local":
+                    self.local.refund(lease, refund)
+                if lease.store == "local":
+                    self.local.drop(lease)
+                    return
+                redis_refund, tpm = (refund, lease.tpm_limit) if lease.tpm_store == "redis" else (0, None)
+                if self.up:
+                    try:
+                        await self.admission.release(lease.tenant_id, lease.lease_id, redis_refund, tpm)
+                        return
+                    except REDIS_ERRORS as e:
+                        self.went_down(e)
+                self.owed[lease.lease_id] = (lease.tenant_id, redis_refund, tpm)
+            finally:
+                self.live.pop(lease.lease_id, None)  # held until released (or the release is owed)
+
+    # -- renewal and recovery ----------------------------------------------------------------------
+    async def _hold_in_redis(self, lease: Lease) -> None:
+        """(Re)create `lease` in Redis (running request whose lease Redis lost, or a local lease moving
+        into Redis). Raises Redis errors."""
+        async with lease.lock:
+            if lease.settled:
+                return
+            created = await self.admission.reinstate(lease)
+            if lease.store == "local":
+                self.local.drop(lease)
+                lease.store = "redis"
+                if self.metrics is not None:
+                    self.metrics.leases_moved.inc()
+            elif created:
+                log.warning("lease %s of tenant %s was lost by Redis; re-created (%d tokens)", lease.lease_id,
+                            lease.tenant_id, lease.tokens)
+                if self.metrics is not None:
+                    self.metrics.leases_reinstated.inc()
+
+    async def renew_all(self) -> None:
+        """Renew every Redis-held lease of a running request; re-create those Redis lost. Raises Redis errors."""
+        leases = [le for le in self.live.values() if le.store == "redis" and not le.settled]
+        if not leases:
+            return
+        held = await self.admission.renew_each(leases)
+        for le, ok in zip(leases, held):
+            if not ok and not le.settled:
+                await self._hold_in_redis(le)
+
+    async def recover(self) -> bool:
+        """Try Redis; if it answers, settle what is owed, restore every lease and reopen. True when up."""
+        async with self._recover_lock:
+            if self.up:
+                return True
+            try:
+                pool = getattr(self.admission.redis, "connection_pool", None)
+                if pool is not None:  # connections to the old server are dead: do not hand them out again
+                    await pool.disconnect()
+                await self.admission.redis.ping()
+                await self.admission.load()
+                await self.renew_all()
+                # requests settled or admitted locally meanwhile add to these: loop until both are empty
+                while True:
+                    if self.owed:
+                        lid, (tid, refund, tpm) = next(iter(self.owed.items()))
+                        await self.admission.release(tid, lid, refund, tpm)
+                        self.owed.pop(lid, None)
+                        continue
+                    moving = next((le for le in self.live.values() if le.store == "local" and not le.settled), None)
+                    if moving is None:
+                        break
+                    await self._hold_in_redis(moving)
+            except REDIS_ERRORS as e:
+                log.debug("Redis still unreachable: %s", type(e).__name__)
+                return False
+            down_for = time.monotonic() - (self.down_since or time.monotonic())
+            self.up = True  # no await since the last check: no local lease or owed release is left
+            self.down_since = None
+            self._gauge()
+            log.warning("Redis is reachable again after %.1f s; leases restored, admission back on Redis", down_for)
+            return True
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                if self.up:
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout=self.renew_interval_s)
+                    except asyncio.TimeoutError:
+                        pass
+                    if self.up:
+                        try:
+                            await self.renew_all()
+                        except REDIS_ERRORS as e:
+                            self.went_down(e)
+                else:
+                    await asyncio.sleep(self.probe_interval_s)
+                    await self.recover()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("lease renewal / Redis probe failed")
+                await asyncio.sleep(self.probe_interval_s)
+
+    def start(self) -> None:
+        """Start renewing leases (and probing Redis while it is down) on the running loop."""
+        self._loop.start()
+
+    async def stop(self) -> None:
+        """Stop the background task."""
+        await self._loop.stop()
+
+
+__all__ = ["REDIS_ERRORS", "AdmissionControl", "RedisUnavailable"]

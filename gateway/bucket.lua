@@ -1,7 +1,7 @@
 -- Token bucket: the one definition of the refill rule in Redis. Prepended to both scripts that
--- touch a bucket (gateway/admission.lua charges it, the settle script in gateway/admission.py
--- refunds it). `gateway.admission.bucket_level` / `bucket_wait_ms` are the same rule in Python,
--- for the local buckets a replica uses while Redis is down (gateway/outage.py);
+-- touch a bucket (gateway/admission.lua charges it, the settle script in gateway/redis_buckets.py
+-- refunds it). `gateway.redis_buckets.bucket_level` / `bucket_wait_ms` are the same rule in Python,
+-- for the local buckets a replica uses while Redis is down (gateway/local_buckets.py);
 -- tests/integration/test_bucket_parity.py checks that both give the same decisions and retry
 -- hints on random request sequences.
 --

@@ -10,7 +10,7 @@ Gateway
                                                         # its A/AAAA records, re-resolved), file:///path
                       [--discovery-interval-s 5] [--unhealthy-after 3]
                       [--routing fair|prefix|least-loaded] [--route-prefix-tokens 32]
-                      [--route-load-factor 1.25] [--route-slack-tokens 4096] [--route-spill-units 1024]
+                      [--route-load-factor 1.25] [--route-slack-tokens 4096] [--route-spill-units 0]
                       [--redis-url redis://127.0.0.1:6379/0] [--redis-cluster]
                       [--secret-file FILE]              # server secret (alternative: FAIRSHARE_SECRET)
                       [--keys-file FILE]                # default: <tenants stem>.keys.yaml next to FILE
@@ -111,106 +111,77 @@ import sys
 from pathlib import Path
 
 
+SWITCH_ON, SWITCH_OFF = "store_true", "store_false"  # flags without a value: set the field True / False
+ROUTINGS = ("fair", "prefix", "least-loaded")
+EXPORTERS = ("none", "console", "otlp")
+
+# The flags of `fairshare gateway`: (flag, GatewaySettings field, kind, help); kind: the value's type,
+# a tuple of choices, or a switch. Unset flags leave the environment's value (FAIRSHARE_*) or the default.
+GATEWAY_FLAGS: tuple[tuple[str, str, object, str], ...] = (
+    ("--host", "host", str, "listen address (default 127.0.0.1)"),
+    ("--port", "port", int, "listen port (default 8000)"),
+    ("--tenants", "tenants_file", str, "tenants YAML file"),
+    ("--keys-file", "keys_file", str, "API-key digests file (default <tenants stem>.keys.yaml)"),
+    ("--workers", "workers", str, "gRPC workers, comma-separated: host:port, dns:///name:port (every A/AAAA record of the name, e.g. the workers' headless Service; re-resolved) or file:///path (one host:port per line; re-read)"),
+    ("--discovery-interval-s", "discovery_interval_s", float, "re-resolve dns:/file: worker entries this often (default 5 s)"),
+    ("--unhealthy-after", "unhealthy_after", int, "late health polls in a row before a SERVING worker leaves routing (default 3; NOT_SERVING, draining and a refused connection take it out at once)"),
+    ("--routing", "routing", ROUTINGS, "fair (default: prefix affinity, spilling a tenant that queues at home by pool-wide deficit), prefix (tenant namespace + prompt head affinity with a load bound) or least-loaded"),
+    ("--route-prefix-tokens", "route_prefix_tokens", int, "prompt tokens in the prefix route key (default 32; 0: tenant affinity only)"),
+    ("--route-load-factor", "route_load_factor", float, "a worker over factor x mean in-flight tokens + slack gets no affine request (default 1.25)"),
+    ("--route-slack-tokens", "route_slack_tokens", int, "in-flight tokens a worker may hold above the bound's mean share; fair routing: how much lighter a worker with no queue must be to take a tenant queued at home (default 4096)"),
+    ("--route-spill-units", "route_spill_units", float, "fair routing: a tenant queued at home spills to a worker where its pool-wide counter is below every queued rival's by more than this many weighted service units (default 0)"),
+    ("--redis-url", "redis_url", str, "Redis URL (default redis://127.0.0.1:6379/0)"),
+    ("--redis-cluster", "redis_cluster", SWITCH_ON, "the URL names a node of a Redis Cluster"),
+    ("--secret-file", "secret_file", str, "file holding the server secret (or set FAIRSHARE_SECRET)"),
+    ("--tokenizer", "tokenizer", str, "local directory with tokenizer.json and the chat template (default: taken from the workers)"),
+    ("--lease-ttl-s", "lease_ttl_s", float, "in-flight lease TTL in seconds (default 15)"),
+    ("--log-level", "log_level", str, "debug, info, warning, error (default info)"),
+    ("--otel-exporter", "otel_exporter", EXPORTERS, "where traces go: none (default), console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT)"),
+    ("--redis-outage-policy", "redis_outage_policy", str, "per tier while Redis is unreachable: fail_closed (503, default) or degrade (this replica's buckets at limit/replicas); JSON, tier=policy,... or one policy for every tier"),
+    ("--replicas", "gateway_replicas", int, "floor of the gateway replica count: replicas register in Redis and degraded buckets hold limit / max(this, live replicas last seen) (default 1)"),
+    ("--replica-ttl-s", "replica_ttl_s", float, "a replica's registration in Redis expires after this long without a heartbeat (default 10)"),
+    ("--redis-timeout-s", "redis_timeout_s", float, "timeout of each Redis call in seconds (default 2)"),
+    ("--drain-timeout-s", "drain_timeout_s", float, "on SIGTERM, open requests may finish for this long (default 10 s)"),
+    ("--request-timeout-s", "request_timeout_s", float, "deadline of one generation in seconds: 504 / error event after it (default: none)"),
+    ("--tier-request-timeout-s", "tier_request_timeout_s", str, "default deadline per tier, merged over interactive=600,batch=none,background=none (JSON or tier=seconds|none,...); --request-timeout-s replaces it for every tier"),
+    ("--keepalive-interval-s", "keepalive_interval_s", float, "streams: SSE keep-alive comment this often while the first token is pending; the response headers go out at the latest this long after admission (default 15)"),
+    ("--worker-keys-file", "worker_keys_file", str, "keys that sign every Generate/Abort (KID:SECRET lines, the first signs; re-read when it changes); or FAIRSHARE_WORKER_KEYS"),
+    ("--no-worker-auth", "worker_auth", SWITCH_OFF, "send unsigned worker calls (only to workers started with --no-worker-auth; unsafe)"),
+    ("--worker-token-ttl-s", "worker_token_ttl_s", float, "validity of each call's token in seconds (default 60)"),
+    ("--max-body-bytes", "max_body_bytes", int, "larger request bodies get 413 (default 8 MiB)"),
+    ("--metrics-port", "metrics_port", int, "serve /metrics on an admin listener on this port (default 0: none)"),
+    ("--metrics-host", "metrics_host", str, "address of the admin listener (default 127.0.0.1)"),
+    ("--metrics-token-file", "metrics_token_file", str, "file holding a token that may read /metrics on the public port (Authorization: Bearer)"),
+    ("--public-metrics", "public_metrics", SWITCH_ON, "serve /metrics to anyone on the public port (only where tenants cannot reach it)"),
+    ("--default-max-tokens", "default_max_tokens", str, "output tokens of a chat completion sent without max_tokens: N for every model, or 'MODEL=N,*=M' (default 1024; a tenant's default_max_tokens wins; completions: 16)"),
+    ("--tool-call-parser", "tool_call_parser", str, "how models write tool calls: hermes (default) or none, for every model or 'MODEL=hermes,*=none'"),
+)
+
+
 def _settings_from_args(args: argparse.Namespace):
     from .config import GatewaySettings
 
     overrides = {}
-    for name in ("host", "port", "tenants_file", "keys_file", "redis_url", "redis_cluster", "secret_file", "tokenizer",
-                 "lease_ttl_s", "log_level", "otel_exporter", "redis_outage_policy", "gateway_replicas",
-                 "redis_timeout_s", "drain_timeout_s", "request_timeout_s", "max_body_bytes", "metrics_port",
-                 "metrics_host", "metrics_token_file", "public_metrics", "tier_request_timeout_s",
-                 "keepalive_interval_s", "worker_keys_file", "worker_auth", "worker_token_ttl_s",
-                 "default_max_tokens", "tool_call_parser",
-                 "discovery_interval_s", "unhealthy_after", "routing", "route_prefix_tokens", "route_load_factor",
-                 "route_slack_tokens", "route_spill_units", "replica_ttl_s"):
-        v = getattr(args, name, None)
+    for _, dest, _, _ in GATEWAY_FLAGS:
+        v = getattr(args, dest, None)
         if v is not None:
-            overrides[name] = v
-    if args.workers is not None:
-        overrides["workers"] = args.workers
+            overrides[dest] = v
     return GatewaySettings(**overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Parser of `fairshare gateway` (flags documented in the module docstring)."""
+    """Parser of `fairshare gateway` (`GATEWAY_FLAGS`; flags documented in the module docstring)."""
     p = argparse.ArgumentParser(prog="fairshare gateway", description="OpenAI-compatible FairShare gateway. "
                                 "Every flag can also be given as FAIRSHARE_<NAME> in the environment.")
-    p.add_argument("--host", help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (default 8000)")
-    p.add_argument("--tenants", dest="tenants_file", help="tenants YAML file")
-    p.add_argument("--keys-file", dest="keys_file", help="API-key digests file (default <tenants stem>.keys.yaml)")
-    p.add_argument("--workers", help="gRPC workers, comma-separated: host:port, dns:///name:port (every A/AAAA "
-                   "record of the name, e.g. the workers' headless Service; re-resolved) or file:///path (one "
-                   "host:port per line; re-read)")
-    p.add_argument("--discovery-interval-s", dest="discovery_interval_s", type=float,
-                   help="re-resolve dns:/file: worker entries this often (default 5 s)")
-    p.add_argument("--unhealthy-after", dest="unhealthy_after", type=int,
-                   help="late health polls in a row before a SERVING worker leaves routing (default 3; "
-                        "NOT_SERVING, draining and a refused connection take it out at once)")
-    p.add_argument("--routing", choices=["fair", "prefix", "least-loaded"],
-                   help="fair (default: prefix affinity, spilling tenants whose pool-wide share lags), prefix "
-                        "(tenant namespace + prompt head affinity with a load bound) or least-loaded")
-    p.add_argument("--route-prefix-tokens", dest="route_prefix_tokens", type=int,
-                   help="prompt tokens in the prefix route key (default 32; 0: tenant affinity only)")
-    p.add_argument("--route-load-factor", dest="route_load_factor", type=float,
-                   help="a worker over factor x mean in-flight tokens + slack gets no affine request (default 1.25)")
-    p.add_argument("--route-slack-tokens", dest="route_slack_tokens", type=int,
-                   help="in-flight tokens a worker may hold above the bound's mean share (default 4096)")
-    p.add_argument("--route-spill-units", dest="route_spill_units", type=float,
-                   help="fair routing: lag in weighted service units beyond which a tenant spills (default 1024)")
-    p.add_argument("--redis-url", dest="redis_url", help="Redis URL (default redis://127.0.0.1:6379/0)")
-    p.add_argument("--redis-cluster", dest="redis_cluster", action="store_true", default=None,
-                   help="the URL names a node of a Redis Cluster")
-    p.add_argument("--secret-file", dest="secret_file", help="file holding the server secret "
-                   "(or set FAIRSHARE_SECRET)")
-    p.add_argument("--tokenizer", help="local directory with tokenizer.json and the chat template "
-                   "(default: taken from the workers)")
-    p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=float, help="in-flight lease TTL in seconds (default 15)")
-    p.add_argument("--log-level", dest="log_level", help="debug, info, warning, error (default info)")
-    p.add_argument("--otel-exporter", dest="otel_exporter", choices=["none", "console", "otlp"],
-                   help="where traces go: none (default), console (stdout) or otlp (OTEL_EXPORTER_OTLP_ENDPOINT)")
-    p.add_argument("--redis-outage-policy", dest="redis_outage_policy",
-                   help="per tier while Redis is unreachable: fail_closed (503, default) or degrade (this replica's "
-                        "buckets at limit/replicas); JSON, tier=policy,... or one policy for every tier")
-    p.add_argument("--replicas", dest="gateway_replicas", type=int,
-                   help="floor of the gateway replica count: replicas register in Redis and degraded buckets hold "
-                        "limit / max(this, live replicas last seen) (default 1)")
-    p.add_argument("--replica-ttl-s", dest="replica_ttl_s", type=float,
-                   help="a replica's registration in Redis expires after this long without a heartbeat (default 10)")
-    p.add_argument("--redis-timeout-s", dest="redis_timeout_s", type=float,
-                   help="timeout of each Redis call in seconds (default 2)")
-    p.add_argument("--drain-timeout-s", dest="drain_timeout_s", type=float,
-                   help="on SIGTERM, open requests may finish for this long (default 10 s)")
-    p.add_argument("--request-timeout-s", dest="request_timeout_s", type=float,
-                   help="deadline of one generation in seconds: 504 / error event after it (default: none)")
-    p.add_argument("--tier-request-timeout-s", dest="tier_request_timeout_s",
-                   help="default deadline per tier, merged over interactive=600,batch=none,background=none "
-                        "(JSON or tier=seconds|none,...); --request-timeout-s replaces it for every tier")
-    p.add_argument("--keepalive-interval-s", dest="keepalive_interval_s", type=float,
-                   help="streams: SSE keep-alive comment this often while the first token is pending; the "
-                        "response headers go out at the latest this long after admission (default 15)")
-    p.add_argument("--worker-keys-file", dest="worker_keys_file",
-                   help="keys that sign every Generate/Abort (KID:SECRET lines, the first signs; re-read when "
-                        "it changes); or FAIRSHARE_WORKER_KEYS")
-    p.add_argument("--no-worker-auth", dest="worker_auth", action="store_false", default=None,
-                   help="send unsigned worker calls (only to workers started with --no-worker-auth; unsafe)")
-    p.add_argument("--worker-token-ttl-s", dest="worker_token_ttl_s", type=float,
-                   help="validity of each call's token in seconds (default 60)")
-    p.add_argument("--max-body-bytes", dest="max_body_bytes", type=int,
-                   help="larger request bodies get 413 (default 8 MiB)")
-    p.add_argument("--metrics-port", dest="metrics_port", type=int,
-                   help="serve /metrics on an admin listener on this port (default 0: none)")
-    p.add_argument("--metrics-host", dest="metrics_host", help="address of the admin listener (default 127.0.0.1)")
-    p.add_argument("--metrics-token-file", dest="metrics_token_file",
-                   help="file holding a token that may read /metrics on the public port (Authorization: Bearer)")
-    p.add_argument("--public-metrics", dest="public_metrics", action="store_true", default=None,
-                   help="serve /metrics to anyone on the public port (only where tenants cannot reach it)")
-    p.add_argument("--default-max-tokens", dest="default_max_tokens",
-                   help="output tokens of a chat completion sent without max_tokens: N for every model, or "
-                        "'MODEL=N,*=M' (default 1024; a tenant's default_max_tokens wins; completions: 16)")
-    p.add_argument("--tool-call-parser", dest="tool_call_parser",
-                   help="how models write tool calls: hermes (default) or none, for every model or "
-                        "'MODEL=hermes,*=none'")
+    for flag, dest, kind, help_text in GATEWAY_FLAGS:
+        opts: dict = {"dest": dest, "help": help_text}
+        if kind in (SWITCH_ON, SWITCH_OFF):
+            opts.update(action=kind, default=None)
+        elif isinstance(kind, tuple):
+            opts["choices"] = list(kind)
+        elif kind is not str:
+            opts["type"] = kind
+        p.add_argument(flag, **opts)
     return p
 
 
@@ -331,28 +302,16 @@ MAX_STDIN_KEY_BYTES = 4096
 
 def keys_main(argv: list[str] | None = None) -> int:
     """`fairshare keys create|import|list|revoke|worker`; returns the exit code."""
-    from fairshare.config import default_state_dir, load_keys, load_tenants
+    from fairshare.config import load_keys, load_tenants
 
-    from .auth import check_imported_key, create_key, revoke_key, store_key
-    from .config import GatewaySettings, ensure_secret_file
+    from .auth import revoke_key
 
     args = build_keys_parser().parse_args(argv)
     if args.cmd == "worker":
         return _worker_keys(args)
-    overrides = {k: v for k, v in (("tenants_file", args.tenants_file), ("keys_file", args.keys_file),
-                                   ("secret_file", getattr(args, "secret_file", None))) if v is not None}
-    settings = GatewaySettings(**overrides)
-    if settings.tenants_file is None:
-        found = default_state_dir() / "tenants.yaml"
-        if not found.is_file():
-            print(f"fairshare keys: --tenants FILE is required (or FAIRSHARE_TENANTS_FILE); there is no "
-                  f"{found} (the fairshare up state directory)", file=sys.stderr)
-            return 2
-        settings = GatewaySettings(**{**overrides, "tenants_file": found})
-        print(f"fairshare keys: using {found}", file=sys.stderr)
-    beside = Path(settings.tenants_file).with_name("secret")  # fairshare up keeps it next to tenants.yaml
-    if args.cmd in ("create", "import") and not _has_secret(settings) and beside.is_file():
-        settings = GatewaySettings(**{**overrides, "tenants_file": settings.tenants_file, "secret_file": beside})
+    settings = _keys_settings(args)
+    if settings is None:
+        return 2
     keys_path = settings.resolved_keys_file()
     try:
         tenants = load_tenants(settings.tenants_file)
@@ -360,30 +319,7 @@ def keys_main(argv: list[str] | None = None) -> int:
         print(f"fairshare keys: cannot read {settings.tenants_file}: {e}", file=sys.stderr)
         return 2
     if args.cmd in ("create", "import"):
-        if settings.secret is not None and settings.secret.get_secret_value():
-            secret = settings.secret_bytes()
-        elif settings.secret_file is not None:
-            secret = ensure_secret_file(settings.secret_file)
-        else:
-            print("fairshare keys: no server secret: pass --secret-file FILE or set FAIRSHARE_SECRET",
-                  file=sys.stderr)
-            return 2
-        try:
-            if args.cmd == "create":
-                key, record = create_key(secret, args.tenant, keys_path, tenants)
-            else:
-                record = store_key(secret, args.tenant, check_imported_key(_read_key()), keys_path, tenants)
-        except KeyError as e:
-            print(f"fairshare keys: {e.args[0]} (not in {settings.tenants_file})", file=sys.stderr)
-            return 2
-        except ValueError as e:
-            print(f"fairshare keys: {e}", file=sys.stderr)
-            return 2
-        if args.cmd == "create":
-            print(key)
-        verb = "created" if args.cmd == "create" else "imported"
-        print(f"{verb} {record.key_id} for tenant {record.tenant}; digest stored in {keys_path}", file=sys.stderr)
-        return 0
+        return _store_key(args, settings, keys_path, tenants)
     if args.cmd == "list":
         for k in load_keys(keys_path).keys:
             print(f"{k.key_id}\t{k.tenant}\t{k.created}")
@@ -395,6 +331,61 @@ def keys_main(argv: list[str] | None = None) -> int:
         print(f"fairshare keys: no key {args.key_id} in {keys_path}", file=sys.stderr)
         return 1
     return 2
+
+
+def _keys_settings(args):
+    """The GatewaySettings of a `fairshare keys` command: the flags, else the environment, else the
+    ``fairshare up`` state directory's tenants file (and the secret beside it). None (after saying why
+    on stderr) when there is no tenants file."""
+    from fairshare.config import default_state_dir
+
+    from .config import GatewaySettings
+
+    overrides = {k: v for k, v in (("tenants_file", args.tenants_file), ("keys_file", args.keys_file),
+                                   ("secret_file", getattr(args, "secret_file", None))) if v is not None}
+    settings = GatewaySettings(**overrides)
+    if settings.tenants_file is None:
+        found = default_state_dir() / "tenants.yaml"
+        if not found.is_file():
+            print(f"fairshare keys: --tenants FILE is required (or FAIRSHARE_TENANTS_FILE); there is no "
+                  f"{found} (the fairshare up state directory)", file=sys.stderr)
+            return None
+        settings = GatewaySettings(**{**overrides, "tenants_file": found})
+        print(f"fairshare keys: using {found}", file=sys.stderr)
+    beside = Path(settings.tenants_file).with_name("secret")  # fairshare up keeps it next to tenants.yaml
+    if args.cmd in ("create", "import") and not _has_secret(settings) and beside.is_file():
+        settings = GatewaySettings(**{**overrides, "tenants_file": settings.tenants_file, "secret_file": beside})
+    return settings
+
+
+def _store_key(args, settings, keys_path: Path, tenants) -> int:
+    """`keys create` (a new key, printed once) or `keys import` (a key read on stdin): store its digest."""
+    from .auth import check_imported_key, create_key, store_key
+    from .config import ensure_secret_file
+
+    if settings.secret is not None and settings.secret.get_secret_value():
+        secret = settings.secret_bytes()
+    elif settings.secret_file is not None:
+        secret = ensure_secret_file(settings.secret_file)
+    else:
+        print("fairshare keys: no server secret: pass --secret-file FILE or set FAIRSHARE_SECRET", file=sys.stderr)
+        return 2
+    try:
+        if args.cmd == "create":
+            key, record = create_key(secret, args.tenant, keys_path, tenants)
+        else:
+            record = store_key(secret, args.tenant, check_imported_key(_read_key()), keys_path, tenants)
+    except KeyError as e:
+        print(f"fairshare keys: {e.args[0]} (not in {settings.tenants_file})", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"fairshare keys: {e}", file=sys.stderr)
+        return 2
+    if args.cmd == "create":
+        print(key)
+    verb = "created" if args.cmd == "create" else "imported"
+    print(f"{verb} {record.key_id} for tenant {record.tenant}; digest stored in {keys_path}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

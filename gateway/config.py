@@ -64,12 +64,12 @@ class GatewaySettings(BaseSettings):
     discovery_interval_s: float = Field(default=5.0, gt=0)  # re-resolve dns/file entries this often
     unhealthy_after: int = Field(default=3, ge=1)  # late health polls in a row before a SERVING worker leaves
     # routing (gateway/routing_policy.py): least-loaded, prefix (namespace + prompt head affinity with a
-    # load bound) or fair (prefix + spill of tenants whose pool-wide share lags)
+    # load bound) or fair (prefix + spill by pool-wide deficit of tenants queued at home)
     routing: Literal["least-loaded", "prefix", "fair"] = "fair"
     route_prefix_tokens: int = Field(default=32, ge=0)  # prompt tokens in the route key
     route_load_factor: float = Field(default=1.25, ge=1.0)  # bound: factor x mean load + slack
     route_slack_tokens: int = Field(default=4096, ge=0)
-    route_spill_units: float = Field(default=1024.0, gt=0)  # lag (weighted service units) that spills
+    route_spill_units: float = Field(default=0.0, ge=0)  # fair: counter margin (weighted units) to be first in line
     pool_board_interval_s: float = Field(default=0.1, gt=0)  # read the workers' pool board this often
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from .background import every
+
 log = logging.getLogger("fairshare.gateway")
 
 DEFAULT_INTERVAL_S = 5.0
@@ -163,12 +165,7 @@ class Discovery:
 
     async def run(self) -> None:
         """Resolve forever (cancel to stop)."""
-        while True:
-            try:
-                await self.resolve_once()
-            except Exception:
-                log.exception("worker discovery failed")
-            await asyncio.sleep(self.interval_s)
+        await every(lambda: self.interval_s, self.resolve_once, "worker discovery")
 
 
 __all__ = ["DEFAULT_INTERVAL_S", "Discovery", "Source", "join_hostport", "parse_sources", "split_hostport"]

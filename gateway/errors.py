@@ -83,6 +83,18 @@ def retry_headers(retry_after_s: float) -> dict[str, str]:
             "retry-after-ms": str(max(1, round(retry_after_s * 1000)))}
 
 
+def client_closed() -> APIError:
+    """499 (nginx's "client closed request"): the client disconnected before the answer; logged and
+    counted, never seen by the client."""
+    return APIError(499, "Client closed the request.", "invalid_request_error", None, "client_closed_request")
+
+
+def body_too_large(limit: int) -> APIError:
+    """413 for a request body over `limit` bytes."""
+    return APIError(413, f"Request body too large: at most {limit} bytes.", "invalid_request_error", None,
+                    "request_too_large")
+
+
 def unavailable(message: str, retry_after_s: float | None = None) -> APIError:
     """503 ``server_error`` (no worker, Redis down, shutting down); with `retry_after_s`, the
     `retry_headers` of that wait."""

@@ -15,7 +15,7 @@ interpretation": the line is ignored); the official openai-python client's decod
 decoder and a real client). An error after the headers (the deadline, no worker) becomes the
 stream's last ``data:`` event, in OpenAI's error shape.
 
-How it runs (gateway/app.py): a stream's start (routing, retries, the wait for the first tokens) is
+How it runs (gateway/generation.py, gateway/streaming.py): a stream's start (routing, retries, the wait for the first tokens) is
 a task of its own; the handler waits for it at most the grace (`started_within`), then returns the
 SSE response, whose body sends `comments` until the task is done. A disconnect or the gateway's
 stop cancels the task (the request's `gateway.watch.RequestWatch` notices them). A non-streamed

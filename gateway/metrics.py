@@ -43,8 +43,8 @@ class GatewayMetrics:
                                       "as last seen, floored at --replicas: what degraded buckets divide by",
                                       registry=r)
         self.routing_spills = Counter("fairshare_gateway_routing_spills", "Requests the fair routing policy sent "
-                                      "beyond their prefix-affine worker because their tenant's pool-wide share "
-                                      "lagged", ["tenant"], registry=r)
+                                      "beyond their prefix-affine worker because their tenant queued there "
+                                      "(to spare capacity, or to where its pool-wide counter is first in line)", ["tenant"], registry=r)
         self.worker_retries = Counter("fairshare_gateway_worker_retries", "Generations retried on another worker "
                                       "after failing before the first token", ["worker"], registry=r)
         self.disconnects = Counter("fairshare_gateway_client_disconnects", "Clients that went away before the end",

@@ -9,15 +9,14 @@ back: fair spill needs fresh counters, affinity does not.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 from redis.exceptions import RedisError
 
-from gateway.background import cancel_and_wait
 from fairshare.pool_board import STALE_MS, SYNC_SCRIPT, board_keys, decode_sync
 
+from .background import Background, every
 from .routing_policy import PoolBoard
 
 log = logging.getLogger("fairshare.gateway")
@@ -35,7 +34,7 @@ class BoardReader:
         self.board = PoolBoard()
         self.read_at: float | None = None  # time.monotonic() of the last good read
         self._script = redis.register_script(SYNC_SCRIPT)
-        self._task: asyncio.Task | None = None
+        self._loop = Background("pool-board", lambda: every(lambda: self.interval_s, self.read, "pool board read"))
         self._failing = False
 
     def current(self) -> PoolBoard:
@@ -59,18 +58,13 @@ class BoardReader:
         self.board, self.read_at = board, time.monotonic()
         return board
 
-    async def _run(self) -> None:
-        while True:
-            await self.read()
-            await asyncio.sleep(self.interval_s)
-
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="pool-board")
+        """Read the board every `interval_s` seconds in the background until `stop`."""
+        self._loop.start()
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        """Stop reading the board."""
+        await self._loop.stop()
 
 
 

@@ -21,7 +21,7 @@ from typing import Iterable, Protocol
 
 
 class StreamProgress(Protocol):
-    """What `remaining_s` reads of a request's choice (`gateway.app.Job`)."""
+    """What `remaining_s` reads of a request's choice (`gateway.session.Job`)."""
 
     max_tokens: int
     completion_tokens: int

@@ -6,7 +6,7 @@ drops the members that expired and returns how many are left: the replicas alive
 included. A replica that stops cleanly removes itself; one that dies expires within ``ttl_s``.
 Redis's clock is the only one used, so replicas' clocks may differ.
 
-The count feeds the ``degrade`` outage policy (`gateway.outage.LocalAdmission`): while Redis is
+The count feeds the ``degrade`` outage policy (`gateway.local_buckets.LocalAdmission`): while Redis is
 down each replica admits against ``limit / replicas``, ``replicas`` being the live count *last seen
 before the outage* (Redis is unreachable during it), and never less than ``--replicas``
 (``FAIRSHARE_GATEWAY_REPLICAS``, default 1: a floor an operator may raise when replicas start
@@ -16,12 +16,13 @@ gateway from 2 to 10 replicas with no setting to keep in step.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
 from typing import Callable
 
 from redis.exceptions import RedisError
+
+from .background import Background, every
 
 log = logging.getLogger("fairshare.gateway")
 
@@ -64,7 +65,7 @@ class ReplicaRegistry:
         self.replica_id = replica_id or uuid.uuid4().hex[:16]
         self.count: int | None = None  # last live count read (None: never)
         self._script = redis.register_script(HEARTBEAT_SCRIPT)
-        self._task: asyncio.Task | None = None
+        self._loop = Background("gateway-replicas", lambda: every(lambda: self.ttl_s / 3, self.beat, "replica heartbeat"))
         self._failing = False
 
     async def beat(self) -> int | None:
@@ -85,22 +86,13 @@ class ReplicaRegistry:
             self.on_count(n)
         return n
 
-    async def _run(self) -> None:
-        while True:
-            await self.beat()
-            await asyncio.sleep(self.ttl_s / 3)
-
     def start(self) -> None:
-        """Heartbeat in the background until `stop`."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="gateway-replicas")
+        """Heartbeat (every ``ttl_s / 3`` seconds) in the background until `stop`."""
+        self._loop.start()
 
     async def stop(self) -> None:
         """Stop the heartbeat and deregister (best effort: an unreachable Redis lets it expire)."""
-        from gateway.background import cancel_and_wait
-
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._loop.stop()
         try:
             await self._script(keys=[self.key], args=[self.replica_id, 0])
         except (RedisError, OSError):

@@ -47,6 +47,7 @@ from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from fairshare.contract import TIER_NAMES
 
+from .background import every
 from .discovery import DEFAULT_INTERVAL_S, Discovery, parse_sources
 from .errors import APIError, invalid_request, unavailable
 from .logprobs import TokenTexts
@@ -409,12 +410,7 @@ class WorkerPool:
         self._first_round.set()
 
     async def _run(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-            except Exception:
-                log.exception("worker poll failed")
-            await asyncio.sleep(self.health_interval_s)
+        await every(lambda: self.health_interval_s, self.poll_once, "worker poll")
 
     async def start(self, wait_s: float = 0.0) -> None:
         """Resolve the worker list, start polling, watching and (for dns/file entries) discovery;
@@ -572,72 +568,88 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
     routing = trace.get_current_span()
     tried: set[WorkerClient] = set()
     last: str = "no worker serves this model"
-    base_id = request.request_id
     route = route_request(request, cost)
     for attempt in range(max(1, max_attempts)):
         w = pool.pick(model, tried, route)
         if w is None:
             break
         tried.add(w)
-        req = pb.GenerateRequest()
-        req.CopyFrom(request)
-        req.request_id = base_id if attempt == 0 else f"{base_id}.r{attempt}"
-        w.local_inflight += cost
-        span = tracer.start_span("gateway.worker_call", context=parent, kind=SpanKind.CLIENT, attributes={
-            "rpc.system": "grpc", "rpc.service": WORKER_SERVICE, "rpc.method": "Generate",
-            "server.address": w.addr, "fairshare.request_id": req.request_id, "fairshare.attempt": attempt})
         if routing.is_recording():
             routing.set_attribute("fairshare.attempts", attempt + 1)
-        metadata = inject_metadata(trace.set_span_in_context(span))
-        if signer is not None:
-            metadata = [*(metadata or ()), *signer.metadata(generate_claims(req))]
-        timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
-        call = w.stub.Generate(req, metadata=metadata or None, timeout=timeout)
-        gen = Generation(w, call, req.request_id, cost, [], span)
+        gen = _call_worker(w, request, attempt, cost, tracer, parent, deadline, signer)
         try:
-            it = call.__aiter__()
-            while True:
-                try:
-                    msg = await it.__anext__()
-                except StopAsyncIteration:
-                    msg = None
-                if msg is None:  # stream ended without a final message: a broken worker
-                    last = f"worker {w.addr} ended the stream without finishing"
-                    break
-                if msg.finish_reason == pb.FINISH_REASON_ABORT and not msg.token_ids and not msg.text_delta:
-                    last = f"worker {w.addr} aborted the request before its first token"
-                    break
-                gen.pending.append(msg)
-                if _is_progress(msg):
-                    if routing.is_recording():
-                        routing.set_attribute("fairshare.worker", w.addr)
-                    return gen
+            last = await _until_first_token(gen)
+            if not last:
+                if routing.is_recording():
+                    routing.set_attribute("fairshare.worker", w.addr)
+                return gen
             log.warning("%s; retrying on another worker", last)
             gen.fail("no_first_token")
-            if metrics is not None:
-                metrics.worker_retries.labels(w.addr).inc()
         except grpc.aio.AioRpcError as e:
             gen.fail(e.code().name)
-            if e.code() in _CLIENT_CODES:
-                meta = dict(e.trailing_metadata() or ())
-                what = meta.get(INVALID_METADATA_KEY)
-                raise invalid_request(e.details() or "invalid request", None,
-                                      "invalid_grammar" if what == "grammar" else "invalid_value") from None
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
-                raise APIError(504, "The request did not start within the gateway's request timeout.",
-                               "server_error", None, "timeout") from None
-            last = f"worker {w.addr}: {e.code().name} {e.details()}"
-            log.warning("generation failed before the first token (%s); retrying on another worker", last)
-            if e.code() == grpc.StatusCode.UNAVAILABLE:
-                pool.mark_failed(w, "UNAVAILABLE before the first token")
-            if metrics is not None:
-                metrics.worker_retries.labels(w.addr).inc()
+            last = _failed_before_first_token(pool, w, e, deadline)
         except BaseException:
             gen.close()
             raise
-    log.warning("no worker could serve request %s (%s)", base_id, last)
+        if metrics is not None:
+            metrics.worker_retries.labels(w.addr).inc()
+    log.warning("no worker could serve request %s (%s)", request.request_id, last)
     raise unavailable("No worker could serve the request right now; please retry.",
                       retry_after_s=pool.retry_after_s(model))
 
+
+def _call_worker(w: WorkerClient, request: pb.GenerateRequest, attempt: int, cost: int, tracer: trace.Tracer,
+                 parent, deadline: float | None, signer) -> Generation:
+    """Open attempt number `attempt` of `request` on `w` (request id ``<id>.r<attempt>`` after the first),
+    in a ``gateway.worker_call`` span, counting `cost` tokens on the worker; signed and traced."""
+    req = pb.GenerateRequest()
+    req.CopyFrom(request)
+    req.request_id = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
+    w.local_inflight += cost
+    span = tracer.start_span("gateway.worker_call", context=parent, kind=SpanKind.CLIENT, attributes={
+        "rpc.system": "grpc", "rpc.service": WORKER_SERVICE, "rpc.method": "Generate",
+        "server.address": w.addr, "fairshare.request_id": req.request_id, "fairshare.attempt": attempt})
+    metadata = inject_metadata(trace.set_span_in_context(span))
+    if signer is not None:
+        metadata = [*(metadata or ()), *signer.metadata(generate_claims(req))]
+    timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
+    call = w.stub.Generate(req, metadata=metadata or None, timeout=timeout)
+    return Generation(w, call, req.request_id, cost, [], span)
+
+
+async def _until_first_token(gen: Generation) -> str:
+    """Read `gen`'s stream into ``gen.pending`` until its first token (or finish): "" then; else why the
+    worker failed before it (the stream ended, or the worker aborted). Raises grpc.aio.AioRpcError."""
+    it = gen.call.__aiter__()
+    while True:
+        try:
+            msg = await it.__anext__()
+        except StopAsyncIteration:  # stream ended without a final message: a broken worker
+            return f"worker {gen.worker.addr} ended the stream without finishing"
+        if msg.finish_reason == pb.FINISH_REASON_ABORT and not msg.token_ids and not msg.text_delta:
+            return f"worker {gen.worker.addr} aborted the request before its first token"
+        gen.pending.append(msg)
+        if _is_progress(msg):
+            return ""
+
+
+def _failed_before_first_token(pool: WorkerPool, w: WorkerClient, e: grpc.aio.AioRpcError,
+                               deadline: float | None) -> str:
+    """What a call that failed before its first token means: raises APIError 400 (the worker found the
+    request invalid) or 504 (the deadline passed); else returns why, for a retry on another worker
+    (a worker UNAVAILABLE is marked failed)."""
+    if e.code() in _CLIENT_CODES:
+        meta = dict(e.trailing_metadata() or ())
+        what = meta.get(INVALID_METADATA_KEY)
+        raise invalid_request(e.details() or "invalid request", None,
+                              "invalid_grammar" if what == "grammar" else "invalid_value") from None
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
+        raise APIError(504, "The request did not start within the gateway's request timeout.",
+                       "server_error", None, "timeout") from None
+    last = f"worker {w.addr}: {e.code().name} {e.details()}"
+    log.warning("generation failed before the first token (%s); retrying on another worker", last)
+    if e.code() == grpc.StatusCode.UNAVAILABLE:
+        pool.mark_failed(w, "UNAVAILABLE before the first token")
+    return last
 
 __all__ = ["APIError", "Generation", "ModelEntry", "WorkerClient", "WorkerPool", "route_request", "start_generation"]

@@ -23,17 +23,20 @@ Three policies (`--routing`):
   keys whose first choice it is (or was). SGLang's model gateway (its cache-aware router) and
   llm-d's prefix scorer keep per-worker approximate prefix indexes instead; a hash is what stateless
   replicas can agree on without talking to each other.
-- ``fair``: ``prefix``, plus *spill* for tenants whose pool-wide share lags (`FairRouting`):
-  workers publish, per tenant, the pool-wide virtual counter they order by, whether the tenant is
-  backlogged there and how many of its requests run there (`PoolBoard`, fed from Redis in the
-  gateway and from the simulated workers in the simulator). A contended tenant below its weighted
-  share of the pool's running requests, or whose counter lags every active tenant of some worker by
-  more than `spill_units`, is sent beyond its affine worker, to where it gains a slot or is first
-  in line. This is the router half of FairShare's pool fairness (the worker half:
+- ``fair``: ``prefix``, plus *spill* for tenants that would queue at their affine worker while the
+  pool could serve them sooner (`FairRouting`): workers publish, per tenant, the pool-wide virtual
+  counter they order by and whether the tenant is backlogged there (`PoolBoard`, fed from Redis in
+  the gateway and from the simulated workers in the simulator). From the first queued request on, a
+  request of a tenant backlogged at its affine worker goes to a worker where nobody queues and that
+  holds at least `slack_tokens` fewer in-flight tokens (spare capacity: a work-conserving pool must
+  not keep free slots for the tenants homed there while another tenant queues); else, when its
+  affine worker has a queue or it is backlogged somewhere, a request goes to a worker where its
+  pool-wide counter is below every backlogged same-tier rival's by more than `spill_units` (first
+  in line there). This is the router half of FairShare's pool fairness (the worker half:
   `worker.scheduling.pool`); the structure follows D²LPM (Cao et al., "Locality-aware Fair
   Scheduling in LLM Serving", arXiv 2501.14312: locality-first dispatch that a fairness deficit
-  overrides), with VTC counters and slot shares in place of its deficits (docs/fairness.md, "Fair
-  shares over a pool").
+  overrides, within a load bound), with VTC's pool-wide counters as the deficit (docs/fairness.md,
+  "Fair shares over a pool").
 
 Loads and costs are in tokens (prompt + max_tokens); counters in weighted service units.
 """
@@ -216,103 +219,91 @@ class PrefixAffinity(RoutingPolicy):
 
 
 class FairRouting(PrefixAffinity):
-    """`PrefixAffinity` plus spill for tenants whose pool-wide share lags (module docstring).
+    """`PrefixAffinity` plus spill by pool-wide deficit (module docstring).
 
-    Two rules, both read from the workers' reports (`PoolBoard`), both only for a tenant that is
-    backlogged somewhere or whose affine worker has queued work (so a lightly loaded pool keeps its
-    affinity):
+    Both rules read the workers' reports (`PoolBoard`) and apply only where somebody queues, so an
+    uncontended pool keeps its affinity:
 
-    - slot share (`slot_target`): the tenant runs fewer requests than its weighted share of the
-      running requests of its tier across the pool; it goes to the worker where its local weighted
-      share exceeds what it runs there by the most (at least one request): there the worker's
-      returning-tenant rule (`worker.scheduling.returning`) gives it a slot at once, preempting an
-      over-share tenant. This reacts at once, before any service difference builds up.
-    - counter lag (`lag_target`): its pool-wide virtual counter is more than `spill_units` below the
-      counter of every active (running or backlogged) same-tier tenant of some worker; it goes to
-      the worker where that margin is largest: the pool-wide counters put it first there.
+    - spare capacity (`spare_target`), for a tenant the board shows backlogged at the request's
+      affine worker (its request would queue there behind its own): some worker has no backlogged
+      same-tier tenant (no queue: it has free slots) and holds at least `slack_tokens` fewer
+      in-flight tokens than the affine worker after taking the request; the request goes to the
+      least-loaded such worker, where it starts at once. This acts from the first queued request, before any service difference builds
+      up: without it a worker whose own tenants leave slots free serves them alone while a tenant
+      queues elsewhere, and they run ahead of the pool (`slack_tokens` is the locality bound: as in
+      `PrefixAffinity.bound`, affinity is kept unless it costs more imbalance than that).
+    - first in line (`lag_target`), when the affine worker has a queue or the tenant is backlogged
+      somewhere: on some other worker where the tenant is not backlogged, its pool-wide virtual
+      counter is more than `spill_units` below the counter of every backlogged same-tier tenant; the
+      request goes to the worker where that margin is largest: the pool-wide counters put it first in
+      that worker's queue, ahead of the tenants that lead it (VTC's choice, made pool-wide; tenants
+      that only run there do not compete for its next slot).
 
     board: a callable returning the current `PoolBoard`. spill_units: the counter margin (weighted
-    service units, > 0). Raises ValueError on bad parameters.
+    service units, >= 0; 0: first in line by any margin). Raises ValueError on bad parameters.
     """
 
     name = "fair"
 
-    def __init__(self, board=None, *, spill_units: float = 1024.0, **options) -> None:
+    def __init__(self, board=None, *, spill_units: float = 0.0, **options) -> None:
         super().__init__(**options)
-        if not spill_units > 0:
-            raise ValueError("spill_units must be > 0")
+        if not spill_units >= 0:
+            raise ValueError("spill_units must be >= 0")
         self.board = board or PoolBoard
         self.spill_units = float(spill_units)
         self.spills = 0
         self.on_spill = None  # callable(request): told of each spill (the gateway counts them per tenant)
 
-    def _contended(self, board: PoolBoard, request: RouteRequest, candidates: Sequence[Candidate]) -> bool:
-        """Whether spill may apply: the tenant is backlogged somewhere, or its affine worker has queued work."""
-        if board.backlogged(request.tenant_id):
-            return True
-        home = super().choose(request, candidates)
-        return any(x.backlogged for x in board.workers.get(home.route_id, {}).values())
-
     @staticmethod
-    def _rivals(board: PoolBoard, worker_id: str, request: RouteRequest) -> dict[str, TenantOnWorker]:
-        """Active same-tier tenants of a worker other than the request's."""
+    def _queued(board: PoolBoard, worker_id: str, request: RouteRequest) -> dict[str, TenantOnWorker]:
+        """Same-tier tenants backlogged on a worker (queued work or prefill left), the request's included."""
         return {tid: x for tid, x in board.workers.get(worker_id, {}).items()
-                if tid != request.tenant_id and x.active and x.tier == request.tier}
+                if x.backlogged and x.tier == request.tier}
 
-    def slot_target(self, request: RouteRequest, candidates: Sequence[Candidate], board: PoolBoard | None = None):
-        """The worker where the tenant gains the most running slots toward its pool-wide weighted
-        share (class docstring), or None."""
+    def spare_target(self, request: RouteRequest, candidates: Sequence[Candidate], home: Candidate,
+                     board: PoolBoard | None = None):
+        """The least-loaded worker with no backlogged same-tier tenant that holds more than
+        `slack_tokens` fewer in-flight tokens than `home` after taking the request, or None."""
         board = board if board is not None else self.board()
-        me = request.tenant_id
-        running: dict[str, int] = {}
-        weights: dict[str, float] = {}
-        for ts in board.workers.values():
-            for tid, x in ts.items():
-                if x.tier == request.tier and (x.active or tid == me):
-                    running[tid] = running.get(tid, 0) + x.running
-                    weights[tid] = x.weight
-        if me not in weights:
-            return None
-        share = sum(running.values()) * weights[me] / sum(weights.values())
-        if running[me] + 1 > share + 1e-9:
-            return None  # it holds its share
-        best, best_gain = None, 1.0 - 1e-9
-        for c in candidates:
-            rivals = self._rivals(board, c.route_id, request)
-            if not rivals:
-                continue  # an idle worker: the load bound already sends work there
-            mine = board.workers.get(c.route_id, {}).get(me)
-            here = mine.running if mine else 0
-            n = sum(x.running for x in rivals.values()) + here
-            gain = n * weights[me] / (weights[me] + sum(x.weight for x in rivals.values())) - here
-            if gain > best_gain or (gain == best_gain and best is not None and c.load_score() < best.load_score()):
-                best, best_gain = c, gain
-        return best
+        limit = home.load_score() - request.cost - self.slack_tokens
+        spare = [c for c in candidates if c is not home and c.load_score() <= limit
+                 and not self._queued(board, c.route_id, request)]
+        return min(spare, key=lambda c: (c.load_score(), c.route_id)) if spare else None
 
     def lag_target(self, request: RouteRequest, candidates: Sequence[Candidate], board: PoolBoard | None = None):
-        """The worker where every active same-tier tenant leads the request's tenant's pool-wide
-        counter by the largest margin above `spill_units`, or None."""
+        """The worker where the request's tenant is not backlogged and every backlogged same-tier
+        tenant leads its pool-wide counter by the largest margin above `spill_units`, or None."""
         board = board if board is not None else self.board()
         mine = board.counter(request.tenant_id)
         if mine is None:
             return None
         best, best_margin = None, self.spill_units
         for c in candidates:
-            rivals = self._rivals(board, c.route_id, request)
-            if not rivals:
-                continue
-            margin = min(x.counter for x in rivals.values()) - mine
+            queued = self._queued(board, c.route_id, request)
+            if request.tenant_id in queued or not queued:
+                continue  # it would queue behind its own requests there / nobody to be ahead of
+            margin = min(x.counter for x in queued.values()) - mine
             if margin > best_margin or (margin == best_margin and best is not None
                                         and c.load_score() < best.load_score()):
                 best, best_margin = c, margin
         return best
 
     def spill_target(self, request: RouteRequest, candidates: Sequence[Candidate]):
-        """Where the request spills to (slot share first, then counter lag), or None: route by affinity."""
+        """Where the request spills to (spare capacity first, then first in line), or None: route by
+        affinity."""
         board = self.board()
-        if not board.workers or not self._contended(board, request, candidates):
+        if not board.workers:
             return None
-        return self.slot_target(request, candidates, board) or self.lag_target(request, candidates, board)
+        home = super().choose(request, candidates)
+        queued = self._queued(board, home.route_id, request)
+        if request.tenant_id in queued:
+            target = self.spare_target(request, candidates, home, board)
+            if target is not None:
+                return target
+        if queued or board.backlogged(request.tenant_id):
+            target = self.lag_target(request, candidates, board)
+            return None if target is home else target  # first in line at home: no spill
+        return None
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]):
         target = self.spill_target(request, candidates)
@@ -325,7 +316,8 @@ class FairRouting(PrefixAffinity):
 
     def describe(self) -> str:
         return (super().describe().replace("prefix (", "fair (", 1)
-                + f"; spill below the pool slot share or at a counter lag of {self.spill_units:g} units")
+                + f"; a tenant queued at home spills to spare capacity beyond {self.slack_tokens} tokens or to where "
+                  f"it is first in line by more than {self.spill_units:g} units")
 
 
 def make_routing(name: str, board=None, **options) -> RoutingPolicy:

@@ -13,7 +13,7 @@ from fastapi import FastAPI
 class DrainingServer(uvicorn.Server):
     """uvicorn's server whose shutdown (SIGTERM, SIGINT) first starts the gateway's drain: no new
     admissions, open requests may finish for `drain_timeout_s` seconds, then they are stopped with an
-    OpenAI error and settled (see `gateway.app.Gateway.begin_drain`). Configure uvicorn's
+    OpenAI error and settled (see `gateway.state.Gateway.begin_drain`). Configure uvicorn's
     ``timeout_graceful_shutdown`` a little above `drain_timeout_s`."""
 
     def __init__(self, config: uvicorn.Config, drain_timeout_s: float = 10.0) -> None:

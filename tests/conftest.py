@@ -145,7 +145,7 @@ class GatewayHandle:
     def __init__(self, server, settings, keys: dict[str, str], redis_url: str):
         import redis as redis_sync
 
-        from gateway.admission import tenant_keys
+        from gateway.redis_buckets import tenant_keys
 
         self.server = server
         self.settings = settings

@@ -9,6 +9,7 @@
                      [--metrics-port 0] [--metrics-host HOST] [--metrics-max-tenants 64]
                      [--otel-exporter none|console|otlp]
                      [--tier-min-share TIER=FRAC ...] [--no-tier-scheduling] [--iteration-token-target N]
+                     [--lower-tier-token-target 4]
                      [--kv-quota | --no-kv-quota] [--kv-watermark 0.8] [--kv-headroom 0.05]
                      [--kv-shared-buffer 0] [--kv-hard-cap 1.0]
                      [--kv-soft-quota KEY=FRAC ...] [--kv-hard-cap-for KEY=FRAC ...]
@@ -22,6 +23,9 @@ defaults); `--no-tier-scheduling` schedules every tenant in one tier (tiers are 
 `--iteration-token-target N`: an iteration with more than one tenant's work computes about N tokens,
 shared by tier and weight (default: the token budget, so nothing changes; docs/fairness.md, "When
 nobody queues").
+`--lower-tier-token-target N`: while a higher tier has work, the lower tiers together take at most N
+tokens of an iteration (decodes and prefill), unless owed their minimum share (default 4; 0: no
+limit), so that the interactive tier's iterations stay short beside a flood (docs/fairness.md, "Tiers").
 `--kv-quota` turns on per-tenant KV quotas (default off; docs/memory-isolation.md): fractions are of
 the KV pool; KEY is a tenant id or a tier (interactive, batch, background), a tenant id winning over
 its tier. The tuning flags need `--kv-quota`.
@@ -46,6 +50,7 @@ import sys
 from fairshare.ports import port_in_use
 from worker.cache.options import add_cache_arguments, cache_settings
 from worker.pool_service import add_pool_arguments, worker_id_of
+from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
 
 
 def _positive(kind):
@@ -62,6 +67,17 @@ def _positive(kind):
         return x
 
     return parse
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (ArgumentTypeError otherwise: a one-line usage error)."""
+    try:
+        x = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if x < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not >= 0")
+    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,6 +203,10 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--iteration-token-target", type=_positive(int), default=None, metavar="N",
                    help="tokens per iteration with more than one tenant's work, shared by tier and weight "
                         "(default: --max-num-batched-tokens, i.e. nothing changes)")
+    g.add_argument("--lower-tier-token-target", type=_non_negative_int, default=DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                   metavar="N", help="tokens per iteration the lower tiers together may take (decodes and prefill) "
+                   "while a higher tier has work, unless owed their minimum share; keeps the interactive tier's "
+                   f"iterations short (default {DEFAULT_LOWER_TIER_TOKEN_TARGET}; 0: no limit)")
 
 
 def tier_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -206,7 +226,8 @@ def tier_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     except ValueError as exc:
         p.error(f"--tier-min-share: {exc}")
     return {"tier_scheduling": bool(args.tier_scheduling), "tier_min_shares": shares,
-            "iteration_token_target": args.iteration_token_target}
+            "iteration_token_target": args.iteration_token_target,
+            "lower_tier_token_target": args.lower_tier_token_target or None}
 # ---- end of tier flags ---------------------------------------------------------------------------------
 
 

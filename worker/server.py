@@ -62,6 +62,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from fairshare import worker_auth
+from fairshare.tiers import DEFAULT_TIER
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.contract import INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
 from fairshare.contract import TIER_NAMES as _TIER_NAMES
@@ -188,7 +189,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tenant.id is required")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[RequestOutput, float, int]] = asyncio.Queue()
-        tier = _TIER_NAMES.get(tenant.tier, "interactive")
+        tier = _TIER_NAMES.get(tenant.tier, DEFAULT_TIER)
 
         def on_output(out: RequestOutput) -> None:  # engine thread: stamp it here, before the hand-over
             loop.call_soon_threadsafe(queue.put_nowait, (out, time.perf_counter(), time.time_ns()))

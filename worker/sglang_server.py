@@ -63,6 +63,7 @@ from pathlib import Path
 import grpc
 
 from fairshare import worker_auth
+from fairshare.tiers import DEFAULT_TIER
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.contract import FINISH_ENUMS as _FINISH
 from fairshare.contract import INVALID_METADATA_KEY
@@ -73,6 +74,7 @@ from worker import grpc_server
 from worker.faults import FaultWindow
 from worker.cli import add_served_name_arguments, served_names
 from worker.sglang_plugin import tenant as tenant_mod
+from worker.tracing import RequestTrace
 
 log = logging.getLogger("fairshare.worker.sglang")
 
@@ -142,7 +144,7 @@ def request_to_sglang(request: worker_pb2.GenerateRequest, facts: ModelFacts, se
         "ignore_eos": bool(s.ignore_eos),
         "skip_special_tokens": True,
         "custom_params": {tenant_mod.CUSTOM_PARAM_KEY: tenant_mod.sign(
-            tenant.id, weight, _TIER_NAMES.get(tenant.tier, "interactive"), secret, rid=rid)},
+            tenant.id, weight, _TIER_NAMES.get(tenant.tier, DEFAULT_TIER), secret, rid=rid)},
     }
     if s.stop:
         sampling["stop"] = list(s.stop)
@@ -341,10 +343,65 @@ def _generate_req_input(**kwargs):
     return GenerateReqInput(**kwargs)
 
 
+_FINISH_NAMES = {v: k for k, v in _FINISH.items()}
+
+
+class SchedulerSnapshots:
+    """The SGLang schedulers' FairShare figures in the reference engine's `snapshot()` shape, for
+    `worker.metrics.EngineCollector` (the reference worker's per-tenant and per-tier series).
+
+    Each scheduler process's plugin adds them to `Scheduler.get_internal_state`
+    (`worker.sglang_plugin.hooks.after_get_internal_state`); `snapshot()` asks the tokenizer
+    manager for every data-parallel rank's state on the engine's event loop (`loop`, set by `serve`)
+    and merges them: tenants listed once per rank (the collector sums additive series by tenant),
+    counts summed. Raises RuntimeError without a loop or when no scheduler answers with FairShare
+    figures (the collector then exports nothing for that scrape); waits at most `timeout_s`."""
+
+    ADDITIVE = ("waiting", "running", "kv_blocks_used", "kv_blocks_total", "inflight_tokens")
+
+    def __init__(self, engine, timeout_s: float = 2.0) -> None:
+        self.engine = engine
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timeout_s = timeout_s
+
+    def snapshot(self) -> dict:
+        if self.loop is None:
+            raise RuntimeError("no event loop to reach SGLang's tokenizer manager")
+        future = asyncio.run_coroutine_threadsafe(self.engine.tokenizer_manager.get_internal_state(), self.loop)
+        states = [s["fairshare"] for s in future.result(self.timeout_s) if isinstance(s, dict) and "fairshare" in s]
+        if not states:
+            raise RuntimeError("SGLang's schedulers report no FairShare state (is the plugin loaded?)")
+        merged = dict(states[0], tenants=[t for s in states for t in s["tenants"]])
+        for key in self.ADDITIVE:
+            merged[key] = sum(s.get(key, 0) for s in states)
+        merged["iterations"] = max(s.get("iterations", 0) for s in states)
+        reasons: dict[str, int] = {}
+        for s in states:
+            for reason, n in s.get("preemptions_by_reason", {}).items():
+                reasons[reason] = reasons.get(reason, 0) + n
+        merged["preemptions_by_reason"] = reasons
+        return merged
+
+
+@dataclass(frozen=True)
+class _StreamTiming:
+    """What `worker.tracing.RequestTrace.observe` reads of an output, as this process sees the stream:
+    seconds since arrival at this worker (queue time from SGLang's meta_info when it reports it)."""
+
+    queued_s: float | None
+    first_token_s: float | None
+    token_ids: object
+
+
+@dataclass(frozen=True)
+class _Usage:
+    cached_tokens: int
+
+
 @dataclass
 class _TenantStats:
     weight: float = 1.0
-    tier: str = "interactive"
+    tier: str = DEFAULT_TIER
     running: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -362,18 +419,32 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
     process sees (streams, usage); the virtual counters live in SGLang's scheduler processes.
     verifier: checks the gateway's token on Generate / Abort (`fairshare.worker_auth.Verifier`; None:
     no authentication, for tests of the translation only). metrics: a `worker.metrics.WorkerMetrics`
-    (default: a fresh one without engine). `faults` trips at the first scheduler failure
+    (default: a fresh one exporting the schedulers' figures, `SchedulerSnapshots`, unless the
+    policy is `off`). `faults` trips at the first scheduler failure
     (`scheduler_failed`); `on_failed(reason)` is called then (the server sets health NOT_SERVING).
+    tracer: the OpenTelemetry tracer of the reference worker's spans (`worker.tracing.RequestTrace`:
+    `worker.generate` with `worker.queue` / `worker.prefill` / `worker.decode`; default the global
+    provider's). ttft_floor_s: tier -> seconds; a request's first token is held here until that long
+    after its arrival at this worker (`--ttft-floor`, the reference engine's rule; errors and aborts
+    are never held). The per-tenant stream series (TTFT, queue time, ITL, requests by finish reason,
+    prompt and cached prompt tokens) are the reference worker's (`worker.metrics.WorkerMetrics`).
     """
 
     def __init__(self, engine, facts: ModelFacts, secret: str, policy: str = "vtc", request_factory=None, *,
-                 verifier: worker_auth.Verifier | None = None, metrics=None) -> None:
+                 verifier: worker_auth.Verifier | None = None, metrics=None, tracer=None,
+                 ttft_floor_s: dict[str, float] | None = None) -> None:
         from worker.metrics import WorkerMetrics
+        from worker.tracing import worker_tracer
 
         self.engine = engine
+        self.tracer = tracer if tracer is not None else worker_tracer()
+        self.ttft_floor_s = dict(ttft_floor_s or {})
         self.verifier = verifier
         self.faults = FaultWindow(limit=1)  # one scheduler failure fails this worker
-        self.metrics = metrics if metrics is not None else WorkerMetrics(faults=self.faults)
+        self.snapshots = SchedulerSnapshots(engine)
+        if metrics is None:  # the schedulers' figures exist only with the plugin on
+            metrics = WorkerMetrics(self.snapshots if policy != "off" else None, faults=self.faults)
+        self.metrics = metrics
         self.on_failed = None
         self._failed = asyncio.Event()
         self.request_factory = request_factory or _generate_req_input
@@ -438,39 +509,74 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is draining")
         if self.faults.tripped:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has failed: {self.faults.reason}")
+        tenant = request.tenant
+        tier = _TIER_NAMES.get(tenant.tier, DEFAULT_TIER)
+        arrival = time.monotonic()
+        rt = RequestTrace(self.tracer, context.invocation_metadata(), request.request_id, tenant.id,
+                          prompt_tokens=len(request.prompt_token_ids), max_tokens=request.sampling.max_tokens,
+                          tier=tier)
         try:
             kwargs = request_to_sglang(request, self.facts, self.secret)
         except InvalidRequest as exc:
+            self._rejected(rt, tenant.id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = request.request_id or kwargs["rid"]
         if request_id in self.live:
+            self._rejected(rt, tenant.id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
         rid = kwargs["rid"]
-        tenant = request.tenant
         stats = self.tenants.setdefault(tenant.id, _TenantStats())
-        stats.weight, stats.tier = tenant.weight or 1.0, _TIER_NAMES.get(tenant.tier, "interactive")
+        stats.weight, stats.tier = tenant.weight or 1.0, tier
         skip = set(self.facts.eos_token_ids) | set(request.sampling.stop_token_ids)
         translator = StreamTranslator(list(request.prompt_token_ids), self.incremental, self.tokenizer,
-                                      list(request.sampling.stop), skip)
+                                      list(request.sampling.stop), skip, arrival=arrival)
+        floor = self.ttft_floor_s.get(tier, 0.0)
         self.live[request_id] = rid
         stats.running += 1
         finished = False
+        outcome, usage = "cancelled", None
+        last_token_at: float | None = None
         generator = self.engine.tokenizer_manager.generate_request(self.request_factory(**kwargs), None)
         try:
             async for out in self._until_failed(generator):
                 msg = translator.feed(out)
                 if msg is None:
                     continue
+                meta = out.get("meta_info") or {}
+                status = None
                 if msg.finish_reason:
-                    finished = True
-                    _, message, status = finish_reason_of(out.get("meta_info") or {})
+                    _, message, status = finish_reason_of(meta)
                     if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and status == 400:
+                        finished, outcome = True, "rejected"
                         if request.sampling.HasField("grammar") and "grammar" in (message or ""):
                             # SGLang's grammar backend could not compile it ("Failed to compile ... grammar")
                             context.set_trailing_metadata(((INVALID_METADATA_KEY, "grammar"),))
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message or "invalid request")
                     if msg.finish_reason == worker_pb2.FINISH_REASON_ABORT and (status or 0) >= 500:
+                        finished, outcome = True, "error"
                         await context.abort(grpc.StatusCode.INTERNAL, message or "internal error in SGLang")
+                if msg.token_ids and last_token_at is None and floor > 0:
+                    # TTFT floor: the tier's first token leaves no earlier than arrival + floor (the
+                    # reference engine's rule, Engine._hold); the TTFT reported is the one the client sees
+                    hold = translator.arrival + floor - time.monotonic()
+                    if hold > 0:
+                        await asyncio.sleep(hold)
+                        translator.first_token_s = msg.timings.first_token_s = time.monotonic() - translator.arrival
+                now = time.monotonic()
+                queued_s = meta.get("queue_time")  # SGLang's scheduler queue time (engine_kwargs: enable_metrics)
+                queued_s = float(queued_s) if isinstance(queued_s, (int, float)) else None
+                first_token_s = translator.first_token_s if msg.token_ids and last_token_at is None else None
+                rt.observe(_StreamTiming(queued_s if first_token_s is not None else None, first_token_s,
+                                         msg.token_ids))
+                if msg.token_ids:
+                    if last_token_at is None:
+                        self.metrics.observe_first_token(tenant.id, queued_s, first_token_s)
+                    else:
+                        self.metrics.observe_itl(tenant.id, now - last_token_at, len(msg.token_ids))
+                    last_token_at = now
+                if msg.finish_reason:
+                    finished = True
+                    outcome, usage = _FINISH_NAMES.get(msg.finish_reason, "abort"), msg.usage
                     stats.prompt_tokens += msg.usage.prompt_tokens
                     stats.cached_tokens += msg.usage.cached_prompt_tokens
                     stats.output_tokens += msg.usage.completion_tokens
@@ -479,17 +585,25 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if finished:
                     return
         except ValueError as exc:  # SGLang rejects some requests by raising in generate_request
-            finished = True
+            finished, outcome = True, "rejected"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except SchedulerFailed as exc:
-            finished = True  # (nothing left to abort in SGLang)
+            finished, outcome = True, "error"  # (nothing left to abort in SGLang)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine has failed: {exc}")
         finally:
             stats.running -= 1
             self.live.pop(request_id, None)
             if not finished:  # cancelled by the client, or the server is stopping
                 self._abort_sglang(rid)
+            rt.end(outcome, usage=_Usage(usage.cached_prompt_tokens) if usage is not None else None)
+            self.metrics.observe_finish(tenant.id, outcome, usage.prompt_tokens if usage is not None else 0,
+                                        usage.cached_prompt_tokens if usage is not None else 0)
             await generator.aclose()
+
+    def _rejected(self, rt, tenant_id: str) -> None:
+        """A call refused before SGLang saw it: its span and finish counter say `rejected`."""
+        rt.end("rejected")
+        self.metrics.observe_finish(tenant_id, "rejected")
 
     async def Abort(self, request, context):
         await worker_auth.require(self.verifier, worker_auth.abort_claims(request), context,
@@ -534,16 +648,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus /metrics (auth refusals, engine failure) on this port (default 0: off)")
     p.add_argument("--metrics-host", default=None, help="address of the metrics server (default: --host)")
-    from worker.cli import add_reliability_arguments
+    from worker.cli import add_kv_quota_arguments, add_reliability_arguments, add_tier_arguments
+
+    from worker.cache.options import add_ttft_floor_argument
 
     add_reliability_arguments(p)
+    add_kv_quota_arguments(p)
+    add_tier_arguments(p)
+    add_ttft_floor_argument(p)
     return p
+
+
+def plugin_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """The plugin's KV quota and tier environment from the reference worker's `--kv-*` and
+    `--tier-*` flags (the same parsing, `worker.cli.kv_quota_settings` / `tier_settings`). Calls
+    `parser.error` on bad values, and for `--iteration-token-target`, which SGLang cannot apply
+    (`update_running_batch` decodes every running request; docs/sglang-backend.md "cannot" 2)."""
+    from worker.cli import kv_quota_settings, tier_settings
+    from worker.sglang_plugin import plugin_env
+
+    kv = kv_quota_settings(parser, args)
+    tiers = tier_settings(parser, args)
+    if tiers["iteration_token_target"] is not None:
+        parser.error("--iteration-token-target: SGLang decodes every running request each step "
+                     "(Scheduler.update_running_batch); not available with --engine sglang")
+    return plugin_env(kv, tiers)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """`sglang.Engine` keyword arguments for the parsed flags."""
+    # enable_metrics: SGLang then reports each request's scheduler queue time in meta_info
+    # (ReqTimeStats.convert_to_output_meta_info), which splits the worker.queue / worker.prefill spans
     kw: dict = {"model_path": args.model, "tp_size": args.tp_size, "log_level": "error",
-                "skip_tokenizer_init": False}
+                "skip_tokenizer_init": False, "enable_metrics": True}
     for flag, key in (("mem_fraction_static", "mem_fraction_static"), ("max_running", "max_running_requests"),
                       ("chunked_prefill_size", "chunked_prefill_size"), ("context_length", "context_length")):
         value = getattr(args, flag)
@@ -552,8 +689,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
-def configure_plugin_env(args: argparse.Namespace) -> str:
-    """Export the plugin's settings (inherited by SGLang's spawned schedulers); returns the secret."""
+def configure_plugin_env(args: argparse.Namespace, settings: dict[str, str] | None = None) -> str:
+    """Export the plugin's settings (inherited by SGLang's spawned schedulers): policy, cost, and
+    `settings` (`plugin_settings`: KV quotas, tiers). Returns the secret."""
+    from worker.sglang_plugin import QUOTA_ENV, TIERS_ENV
+
+    for key in (QUOTA_ENV, TIERS_ENV):
+        os.environ.pop(key, None)
+    os.environ.update(settings or {})
     os.environ["FAIRSHARE_SGLANG_POLICY"] = args.policy
     os.environ["FAIRSHARE_SGLANG_ALPHA"] = repr(args.alpha)
     os.environ["FAIRSHARE_SGLANG_BETA"] = repr(args.beta)
@@ -584,6 +727,7 @@ async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_time
           f"policy {servicer.policy})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    servicer.snapshots.loop = loop
     sglang_handler = getattr(getattr(tm, "signal_handler_class", None), "running_phase_sigquit_handler", None)
 
     async def failed(reason: str) -> None:
@@ -621,6 +765,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     served_names(parser, args)  # usage errors before anything starts
+    settings = plugin_settings(parser, args)
+    from worker.cache.options import ttft_floor_settings
+
+    floors = ttft_floor_settings(parser, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if port_in_use(args.host, args.port):
         print(f"fairshare worker: port {args.host}:{args.port} is already in use", file=sys.stderr)
@@ -640,16 +788,18 @@ def main(argv: list[str] | None = None) -> int:
         verifier = make_verifier(args)
     except SystemExit as exc:
         return int(exc.code or 1)
-    secret = configure_plugin_env(args)
+    secret = configure_plugin_env(args, settings)
     engine = sglang.Engine(**engine_kwargs(args))
     try:
         context_len = getattr(engine.tokenizer_manager, "context_len", None) or args.context_length
         facts = read_model_facts(args.model, context_len, served_names(parser, args))
-        servicer = SGLangWorkerServicer(engine, facts, secret, args.policy, verifier=verifier)
+        servicer = SGLangWorkerServicer(engine, facts, secret, args.policy, verifier=verifier,
+                                        ttft_floor_s=floors)
         if args.metrics_port:
             servicer.metrics.serve(args.metrics_host or args.host, args.metrics_port)
         # SGLang's tokenizer manager serves from the engine's own event loop: run the server there.
         loop = getattr(engine, "loop", None) or asyncio.new_event_loop()
+        servicer.snapshots.loop = loop  # a scrape may come before serve() runs
         loop.run_until_complete(serve(servicer, args.host, args.port, args.drain_timeout,
                                       engine_failure_exit_s=args.engine_failure_exit_s))
     except OSError as exc:

@@ -395,7 +395,7 @@ def _print_banner(args, url: str, model: str, new_keys: dict[str, str], all_tena
     out.append(f"   curl -s {curl_url}/v1/chat/completions -H \"Authorization: Bearer {key_hint}\" \\")
     out.append("     -H 'Content-Type: application/json' \\")
     out.append("     -d '{\"model\": \"" + model + "\", \"messages\": [{\"role\": \"user\", "
-               "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 30}'")
+               "\"content\": \"What is the capital of France?\"}], \"max_tokens\": 30, \"temperature\": 0}'")
     out.append("")
     top = f"{_fairshare_exe()} top" + ("" if state == default_state_dir().expanduser().resolve()
                                        else f" --state-dir {_shown(state)}")

@@ -31,6 +31,7 @@ PASS_THROUGH: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--tier-min-share", (WORKER,)),
     ("--tier-scheduling", (WORKER,)),
     ("--iteration-token-target", (WORKER,)),
+    ("--lower-tier-token-target", (WORKER,)),
     ("--max-running", (WORKER,)),
     ("--max-num-batched-tokens", (WORKER,)),
     ("--alpha", (WORKER,)),

@@ -151,6 +151,17 @@ def run_pool_benchmark(time_model: IterationTimeModel, rate_scale: float, *, see
     return pb
 
 
+SIDE_BY_SIDE = ("per-worker VTC", "fair", "FCFS", SKEW_SINGLE)
+
+
+def side_by_side(pb: PoolBench) -> str:
+    """One line: the pool-wide max weighted service difference and Jain's index of per-worker VTC,
+    ``fair``, FCFS and single-worker VTC at the pool's capacity, side by side."""
+    names = {SKEW_SINGLE: "single-worker VTC"}
+    return (f"pool skew, {pb.skew_workers} workers: max weighted diff / Jain: "
+            + " | ".join(f"{names.get(k, k)} {pb.skew[k].diff:,.0f} / {pb.skew[k].jain:.3f}" for k in SIDE_BY_SIDE))
+
+
 def checks(pb: PoolBench) -> list[str]:
     """CHECK lines of the pool section."""
     out = []
@@ -186,6 +197,7 @@ def lines(pb: PoolBench) -> list[str]:
                        f"mean {r.queue_mean_s:.3f} s  finished {r.finished}  spills {r.spills}")
     if pb.skew:
         out.append(f"pool skew: {SKEWED_OVERLOAD.base.description} (rate scale {pb.skew_scale:.4f})")
+        out.append("  " + side_by_side(pb))
         for r in pb.skew.values():
             out.append(f"  {r.label:<36} max weighted diff {r.diff:9.0f} units  Jain {r.jain:.3f}  "
                        f"(second half {r.diff_late:.0f} / {r.jain_late:.3f})  spills {r.spills}")
@@ -199,7 +211,8 @@ def section(pb: PoolBench) -> list[str]:
            "N simulated workers behind the gateway's own routing code (`gateway/routing_policy.py`, the module the "
            "gateway runs), on one virtual time line (`worker/sim/pool.py`). With `fair` routing the workers order by "
            "pool-wide counters exchanged every 0.1 s of virtual time (`worker/scheduling/pool.py`) and the router "
-           "spills tenants whose pool-wide share lags; `prefix` and `least-loaded` run each worker's own VTC. "
+           "spills a tenant queued at its affine worker to spare capacity or to where its pool-wide counter puts "
+           "it first in line; `prefix` and `least-loaded` run each worker's own VTC. "
            "The single-worker reference is one worker N times as fast with N times the KV pool (the same total "
            "capacity and KV).", "",
            f"### Locality: {w.name} at {pb.load:.0%} load", "",
@@ -228,14 +241,14 @@ def section(pb: PoolBench) -> list[str]:
         for r in pb.skew.values():
             out.append(f"| {r.label} | {r.diff:,.0f} | {r.jain:.3f} | {r.diff_late:,.0f} | {r.jain_late:.3f} | "
                        f"{r.spills} | {r.hit_rate:.3f} |")
-    out += ["", "```", *checks(pb), "```", "",
-            "What is left of the difference under `fair` is the time the pool needs to re-share its running slots "
-            "once every tenant is backlogged: N workers hold N times the running requests of one, and a tenant that "
-            "lags can only take slots as fast as its own requests arrive and are spilled (the returning-tenant rule "
-            "gives each spilled request a slot at once); requests already queued on a crowded worker stay there. "
-            "One worker with the pool's capacity re-shares its single batch in a few iterations. See "
-            "docs/fairness.md, \"Fair shares over a pool\".", ""]
+    out += ["", "```", side_by_side(pb), *checks(pb), "```", "",
+            "What is left of the difference under `fair` is the ramp: the workers' batches fill at different times "
+            "(N workers hold N times the running requests of one), a tenant briefly backlogged while another one "
+            "queues is lifted to that one's counter (VTC's no-credit-for-idling rule, made pool-wide), and the pool "
+            "then evens the counters out through the requests it routes; requests already queued on a worker stay "
+            "there. One worker with the pool's capacity fills its single batch at once. See docs/fairness.md, "
+            "\"Fair shares over a pool\".", ""]
     return out
 
 
-__all__ = ["PoolBench", "checks", "lines", "run_locality", "run_pool_benchmark", "run_skew", "section"]
+__all__ = ["PoolBench", "checks", "lines", "run_locality", "run_pool_benchmark", "run_skew", "section", "side_by_side"]

@@ -501,15 +501,24 @@ def test_service_monitor_is_optional_and_scrapes_the_metrics_ports(helm):
 
 
 @pytest.mark.parametrize("value_set", GPU_SETS)
-def test_sglang_workers_get_no_reference_only_flags(helm, value_set):
-    """The SGLang worker has no --metrics-port, --kv-* or tier flags: the chart passes none, scrapes none."""
-    docs = helm.render(VALUE_SETS[value_set], ("serviceMonitor.enabled=true",))
+def test_sglang_workers_get_the_flags_the_sglang_worker_accepts(helm, value_set):
+    """The SGLang worker takes the reference worker's --metrics-port, --kv-* and --tier-* flags (its
+    plugin's core applies them), never --iteration-token-target (SGLang decodes every running
+    request each step); the chart passes exactly what `fairshare worker --engine sglang` parses."""
+    from worker.sglang_server import build_parser, plugin_settings
+    from worker.sglang_plugin import state_from_env
+
+    docs = helm.render(VALUE_SETS[value_set], ("serviceMonitor.enabled=true", "worker.kvQuota.enabled=true",
+                                               "worker.kvQuota.softQuotas.batch=0.2", "worker.iterationTokenTarget=32"))
     worker = container(one(docs, "StatefulSet", "worker"), "worker")
-    assert not [a for a in worker["args"] if a.startswith(("--metrics", "--kv-", "--tier-", "--iteration-token"))]
-    assert "metrics" not in {p["name"] for p in worker["ports"]}
-    assert [sm["metadata"]["labels"]["app.kubernetes.io/component"] for sm in of_kind(docs, "ServiceMonitor")] == ["gateway"]
-    res = helm.template(VALUE_SETS[value_set], ("worker.kvQuota.enabled=true",))
-    assert res.returncode != 0 and "FAIRSHARE_SGLANG_KV_QUOTAS" in res.stderr
+    assert "--iteration-token-target" not in worker["args"]
+    assert "metrics" in {p["name"] for p in worker["ports"]}
+    assert sorted(sm["metadata"]["labels"]["app.kubernetes.io/component"] for sm in of_kind(docs, "ServiceMonitor")) \
+        == ["gateway", "worker"]
+    parser = build_parser()
+    args = parser.parse_args(worker["args"])   # exits on anything the SGLang worker refuses
+    state = state_from_env(plugin_settings(parser, args))
+    assert state.kv_quota.soft == {"batch": 0.2} and state.tier_min_shares == {"batch": 0.05, "background": 0.05}
 
 
 def test_kv_quota_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
@@ -540,13 +549,15 @@ def test_tier_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
     parser = build_parser()
     args = container(one(helm.render(), "StatefulSet", "worker"), "worker")["args"]
     assert tier_settings(parser, parser.parse_args(args)) == {  # the defaults, spelled out
-        "tier_scheduling": True, "tier_min_shares": {"batch": 0.05, "background": 0.05}, "iteration_token_target": None}
+        "tier_scheduling": True, "tier_min_shares": {"batch": 0.05, "background": 0.05}, "iteration_token_target": None,
+        "lower_tier_token_target": 4}
     f = tmp_path / "tiers.yaml"
     f.write_text(yaml.safe_dump({"worker": {"tiers": {"minShares": {"batch": 0.1, "background": 0.02}},
-                                            "iterationTokenTarget": 32}}))
+                                            "iterationTokenTarget": 32, "lowerTierTokenTarget": 0}}))
     args = container(one(helm.render((str(f),)), "StatefulSet", "worker"), "worker")["args"]
     assert tier_settings(parser, parser.parse_args(args)) == {
-        "tier_scheduling": True, "tier_min_shares": {"batch": 0.1, "background": 0.02}, "iteration_token_target": 32}
+        "tier_scheduling": True, "tier_min_shares": {"batch": 0.1, "background": 0.02}, "iteration_token_target": 32,
+        "lower_tier_token_target": None}
     args = container(one(helm.render(sets=("worker.tiers.enabled=false", "worker.iterationTokenTarget=0")),
                          "StatefulSet", "worker"), "worker")["args"]
     assert "--no-tier-scheduling" in args and "--iteration-token-target" not in args

@@ -7,6 +7,8 @@ for the whole module (see conftest.py); the 60-second fairness run comes last.
 from __future__ import annotations
 
 import asyncio
+import json
+import shlex
 import stat
 import threading
 import time
@@ -41,6 +43,21 @@ def test_banner_prints_each_tenant_key_once(platform):
     mode = stat.S_IMODE((platform.state_dir / "secret").stat().st_mode)
     assert mode == 0o600, oct(mode)
     print(f"\n[e2e] fairshare up with SmolLM2 ready in {platform.start_s:.1f} s")
+
+
+def test_the_banners_try_it_command_answers_paris(platform):
+    """The curl line the banner prints, sent as printed (its URL, headers and body), answers the
+    question it asks: a newcomer's first request is greedy and ends in a whole answer."""
+    lines = platform.output.split(" Try it:\n", 1)[1].split("\n\n", 1)[0]
+    argv = shlex.split(lines.replace("\\\n", " "))
+    assert argv[:2] == ["curl", "-s"], argv
+    url = argv[2]
+    headers = dict(h.split(": ", 1) for flag, h in zip(argv, argv[1:]) if flag == "-H")
+    body = json.loads(argv[argv.index("-d") + 1])
+    assert body.get("temperature") == 0, body
+    resp = httpx.post(url, headers=headers, content=json.dumps(body), timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert "Paris" in resp.json()["choices"][0]["message"]["content"], resp.text
 
 
 def test_models_list(platform):

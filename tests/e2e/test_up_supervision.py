@@ -22,7 +22,7 @@ import redis as redis_sync
 import yaml
 
 from fairshare.cli.scrape import fetch, select
-from gateway.admission import tenant_keys
+from gateway.redis_buckets import tenant_keys
 from tests.e2e.conftest import assert_all_stopped, start_up
 from tests.reliability.conftest import wait_until
 

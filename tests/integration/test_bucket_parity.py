@@ -1,10 +1,10 @@
-"""The local buckets (gateway/outage.py `LocalAdmission`, used while Redis is down) and the Redis
+"""The local buckets (gateway/local_buckets.py `LocalAdmission`, used while Redis is down) and the Redis
 buckets (gateway/bucket.lua inside the admission and settle scripts) are one rule: on random
 request sequences (random limits, costs, refunds and time steps) they give the same decision, the
 same reason, the same retry hint and the same ``x-ratelimit-*`` figures.
 
 Time is driven explicitly, the same clock for both by construction: the scripts take the caller's
-clock (`Admission.clock_ms`, ARGV "the clock in ms") instead of Redis TIME, and `LocalAdmission`
+clock (`RedisAdmission.clock_ms`, ARGV "the clock in ms") instead of Redis TIME, and `LocalAdmission`
 takes `clock_ms`. A real redis-server runs the real scripts. The one thing in the scripts that
 still follows Redis's own clock is a bucket key's expiry (a missing bucket reads as full), so the
 test removes it in the same MULTI/EXEC as the script call: nothing here depends on how fast the
@@ -28,8 +28,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fairshare.config import TenantConfig
-from gateway.admission import Admission, Decision, Lease
-from gateway.outage import LocalAdmission
+from gateway.redis_buckets import RedisAdmission, Decision, Lease
+from gateway.local_buckets import LocalAdmission
 
 _ids = itertools.count()
 LIMITS = st.fixed_dictionaries({
@@ -65,7 +65,7 @@ async def _run(redis_url: str, limits: dict, ops: list[tuple]) -> int:
     lim = tenant.limits
     r = aredis.Redis.from_url(redis_url)
     now = [1_700_000_000_000.0]
-    adm = Admission(r, prefix="parity", lease_ttl_s=10**7)  # leases outlive every sequence's time span
+    adm = RedisAdmission(r, prefix="parity", lease_ttl_s=10**7)  # leases outlive every sequence's time span
     adm.clock_ms = lambda: now[0]
     local = LocalAdmission(1, clock_ms=lambda: now[0], retry_s=1.0)
     live: list[tuple[Lease, Lease]] = []
@@ -78,7 +78,7 @@ async def _run(redis_url: str, limits: dict, ops: list[tuple]) -> int:
                 cost, lid = op[2], uuid.uuid4().hex
                 keys, args = adm.admit_args(tenant, cost, lid)
                 raw = await _script(r, adm._admit.sha, keys, args, keys[:2])
-                remote = Admission.decision(raw, tenant, Lease(tenant.id, lid, cost, lim.tpm))
+                remote = RedisAdmission.decision(raw, tenant, Lease(tenant.id, lid, cost, lim.tpm))
                 mine = local.admit(tenant, cost, lid)
                 never = (lim.tpm is not None and cost > lim.tpm) or (
                     lim.max_inflight_tokens is not None and cost > lim.max_inflight_tokens)

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from fairshare.config import TenantConfig
-from gateway.admission import Admission, format_duration
+from gateway.redis_buckets import RedisAdmission, format_duration
 from tests.support.waits import wait_for
 
 
@@ -23,13 +23,13 @@ def tenant(**limits) -> TenantConfig:
 @pytest.fixture
 async def adm(redis_url):
     r = Redis.from_url(redis_url)
-    a = Admission(r, lease_ttl_s=15.0)
+    a = RedisAdmission(r, lease_ttl_s=15.0)
     await a.load()
     yield a
     await r.aclose()
 
 
-async def redis_now_ms(a: Admission) -> float:
+async def redis_now_ms(a: RedisAdmission) -> float:
     s, us = await a.redis.time()
     return s * 1000 + us / 1000
 
@@ -126,9 +126,9 @@ async def test_settle_refunds_unused_once(adm):
 async def test_leases_expire_unless_renewed(redis_url):
     """`kept` is renewed until Redis's own clock is past the expiry stored for `lost`, which nobody
     renews: the end is a state of Redis, not a sleep. The TTL (1 s) leaves a renewal that a loaded
-    machine delays by most of a second still in time (the app renews every TTL / 3: gateway.outage)."""
+    machine delays by most of a second still in time (the app renews every TTL / 3: gateway.admission)."""
     r = Redis.from_url(redis_url)
-    a = Admission(r, lease_ttl_s=1.0)
+    a = RedisAdmission(r, lease_ttl_s=1.0)
     t = tenant(max_inflight_tokens=100)
     kept = await a.admit(t, 40)
     lost = await a.admit(t, 60)
@@ -173,7 +173,7 @@ def test_invariants_under_random_sequences(redis_url, ops):
 
     async def run():
         r = Redis.from_url(redis_url)
-        a = Admission(r)
+        a = RedisAdmission(r)
         t = tenant(tpm=300, max_inflight_tokens=200, max_concurrent_requests=3)
         held = []
         for op, cost, used in ops:
@@ -248,7 +248,7 @@ async def test_admission_on_redis_cluster(redis_cluster_url):
     from redis.asyncio.cluster import RedisCluster
 
     rc = RedisCluster.from_url(redis_cluster_url)
-    a = Admission(rc, lease_ttl_s=5)
+    a = RedisAdmission(rc, lease_ttl_s=5)
     await a.load()
     tenants = [tenant(tpm=1000, max_concurrent_requests=2) for _ in range(8)]  # spread over the slots
     slots = {key_slot(a.keys(t.id)[0].encode()) for t in tenants}

@@ -16,8 +16,8 @@ import pytest
 from redis.asyncio import Redis
 
 from fairshare.config import TenantConfig
-from gateway.admission import Admission
-from gateway.outage import AdmissionControl
+from gateway.redis_buckets import RedisAdmission
+from gateway.admission import AdmissionControl
 from tests.reliability.conftest import wait_until
 from tests.support.waits import join_all
 
@@ -29,13 +29,13 @@ def tenant(**limits) -> TenantConfig:
     return TenantConfig(id="hint-" + uuid.uuid4().hex[:10], limits=limits)
 
 
-async def redis_s(adm: Admission) -> float:
+async def redis_s(adm: RedisAdmission) -> float:
     """Redis's clock (the one the stored expected ends are on), seconds."""
     sec, usec = await adm.redis.time()
     return sec + usec / 1e6
 
 
-async def since(adm: Admission, t0: float) -> float:
+async def since(adm: RedisAdmission, t0: float) -> float:
     """Seconds of Redis time since `t0` (+ a millisecond of rounding): how much a hint computed
     meanwhile can have shrunk, however slow the machine."""
     return await redis_s(adm) - t0 + 0.001
@@ -44,7 +44,7 @@ async def since(adm: Admission, t0: float) -> float:
 @pytest.fixture
 async def adm(redis_url):
     r = Redis.from_url(redis_url)
-    a = Admission(r, lease_ttl_s=TTL_S)
+    a = RedisAdmission(r, lease_ttl_s=TTL_S)
     await a.load()
     yield a
     await r.aclose()

@@ -14,8 +14,8 @@ from redis.asyncio import Redis
 
 from fairshare.config import TenantConfig
 from fairshare.pool_board import SYNC_SCRIPT, TenantReport, WorkerReport, board_keys, decode_sync
-from gateway.admission import Admission
-from gateway.outage import AdmissionControl
+from gateway.redis_buckets import RedisAdmission
+from gateway.admission import AdmissionControl
 from gateway.pool_view import BoardReader
 from gateway.replicas import ReplicaRegistry
 from worker.engine.engine import Engine, EngineConfig
@@ -31,7 +31,7 @@ def prefix() -> str:
 async def test_replicas_register_count_expire_and_feed_the_degrade_divisor(redis_url):
     p = prefix()
     r = Redis.from_url(redis_url)
-    control = AdmissionControl(Admission(r, prefix=p), lambda tier: "degrade", replicas=2)
+    control = AdmissionControl(RedisAdmission(r, prefix=p), lambda tier: "degrade", replicas=2)
     a = ReplicaRegistry(r, p, ttl_s=0.5, on_count=control.set_live_replicas)
     b = ReplicaRegistry(r, p, ttl_s=0.5)
     c = ReplicaRegistry(r, p, ttl_s=0.5)

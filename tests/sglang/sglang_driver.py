@@ -177,14 +177,15 @@ class SGLangDriver(ScriptedDriver):
     AFTER hook on `SchedulePolicy.calc_priority` starts from. mixed_chunk: `--enable-mixed-chunk`
     (decodes ride along in prefill batches, as in the reference engine's iterations).
     conservativeness: `--schedule-conservativeness` (scales the decode tokens the prefill adder
-    reserves for running requests: `new_token_ratio`). Use as a context manager, or call `close()`:
+    reserves for running requests: `new_token_ratio`). kv_quota: the worker's KV quota settings
+    (`KVQuotaConfig`, None: off) for the plugin's core. Use as a context manager, or call `close()`:
     it publishes SGLang's runtime config and the plugin state for the run and restores both.
     Raises PluginNotInstalled when the FairShare hooks are missing.
     """
 
     def __init__(self, workload: ScriptedWorkload, policy: str = "vtc", *, alpha: float = 1.0, beta: float = 2.0,
                  sglang_policy: str = "fcfs", mixed_chunk: bool = True, conservativeness: float = 1.0,
-                 drr_quantum: float = 512.0, secret: str | None = None) -> None:
+                 drr_quantum: float = 512.0, secret: str | None = None, kv_quota=None) -> None:
         super().__init__(workload, f"sglang/{policy}")
         shape = workload.engine
         self.secret = secret or os.environ.get(tenant_mod.SECRET_ENV) or DEFAULT_SECRET
@@ -198,10 +199,9 @@ class SGLangDriver(ScriptedDriver):
         self._closed = False
         try:
             ensure_plugin()
-            original = ScheduleBatch.__dict__["_get_decode_retraction_order"].__func__.__wrapped__
             options = {"quantum": drr_quantum} if policy == "drr" else {}
-            self.state = FairShareState(policy, LinearCost(alpha, beta), secret=self.secret,
-                                        retraction_base=original, **options)
+            self.state = FairShareState(policy, LinearCost(alpha, beta), secret=self.secret, kv_quota=kv_quota,
+                                        **options)
             hooks.set_state(self.state)
             self.scheduler = self._build_scheduler()
         except BaseException:

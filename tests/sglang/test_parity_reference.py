@@ -81,17 +81,24 @@ ORDER_BLOCKERS = {
               "Scheduler.chunked_req (_get_new_batch_prefill_raw asserts it before taking the adder's "
               "new_chunked_req), so FairSharePrefillAdder refuses the second partial prefill "
               "(docs/sglang-backend.md, cannot 1)"),
-    "memory-flood": ("first difference at iteration 3 (74 % equal): SGLang's PrefillAdder refuses planned admissions "
-                     "its decode reserve does not fit (PrefillAdder.__init__: memory_budget.total_offset, "
-                     "docs/sglang-backend.md cannot 4); the core hears it after the pass (FairShareState.end_pass)"),
+    "memory-flood": ("first difference at iteration 3 (75 % equal): the reference gives a victim request the rest "
+                     "of the chunk while flood's partial prefill is paused; SGLang keeps one Scheduler.chunked_req, so "
+                     "FairSharePrefillAdder refuses the second partial prefill (cannot 1: 11 of the 25 planned "
+                     "admissions SGLang did not carry out); the other 14 are PrefillAdder.add_one_req answering "
+                     "NO_TOKEN: beside the decode reserve the core is told, SGLang's budget reserves each admission's "
+                     "own max_new_tokens plus a page (PrefillAdder._update_prefill_budget, cannot 4); telling the "
+                     "core that too (admission need + max_new + a page) made the shares worse (34-36 %)"),
 }
 SERVICE_BLOCKERS = {
     "on-off": ("6.8 % in iterations 141-199 against the reference's 16-token slices (at SGLang's granularity the "
                "order is identical): SGLang's fairness granularity is a request's chunk (cannot 1)"),
     "tiers": ("14.8 % in iterations 8-55 (background 0.044 vs 0.038 of service): the refused second partial "
               "prefill (cannot 1) shifts background's minimum-share slices"),
-    "memory-flood": ("21.3 % in iterations 228-299: SGLang's decode reserve (cannot 4) refuses planned admissions and "
-                     "SGLang retracts none where the reference preempts 3 victim requests"),
+    "memory-flood": ("12.1 % in iterations 86-157 (flood 0.423 vs 0.474; the other quarters 0.5 %, 4.7 %, 3.6 %): "
+                     "the core is told SGLang's decode reserve for the running batch (FairShareState.free_blocks, "
+                     "PrefillAdder.__init__ memory_budget.total_offset), but SGLang still refuses planned victim "
+                     "admissions for their own max_new_tokens (cannot 4) and retracts none of the reference's 3 "
+                     "victim preemptions"),
 }
 
 

@@ -21,8 +21,9 @@ SECRET = "test-secret"
 class FakeReq:
     """The fields of SGLang 0.5.23's Req that the plugin reads."""
 
-    def __init__(self, rid, tenant, prompt_len, weight=1.0, salt=None, output=0, lora_id=None, max_new=16):
-        token = tn.sign(tenant, weight, "interactive", SECRET, rid=rid) if tenant else None
+    def __init__(self, rid, tenant, prompt_len, weight=1.0, salt=None, output=0, lora_id=None, max_new=16,
+                 tier="interactive"):
+        token = tn.sign(tenant, weight, tier, SECRET, rid=rid) if tenant else None
         self.rid = rid
         self.origin_input_ids = list(range(prompt_len))
         self.output_ids = list(range(output))
@@ -135,36 +136,66 @@ def test_reconcile_retires_requests_aborted_while_waiting():
     assert not s.policy.accounts["A"].backlogged
 
 
-def test_retraction_order_over_quota_first():
-    s = make_state()
-    # A holds 3 x 100 tokens, B 1 x 100: equal weights -> quotas 200 each; A is over.
-    a = [FakeReq(f"a{i}", "A", 90, output=10) for i in range(3)]
-    b = [FakeReq("b0", "B", 50, output=50)]
-    reqs = [b[0], a[0], a[1], a[2]]
+def admit_all(state, reqs, held_tokens=None):
+    """Queue `reqs` and admit them in this order through the core (as a pass would), each then
+    holding `held_tokens[rid]` (default: its prompt and output) of KV: running decodes."""
+    core = state.core
     for r in reqs:
-        s.on_arrival(r)
-    order = s.retraction_order(reqs)
-    assert sorted(order) == [0, 1, 2, 3]
-    # SGLang retracts from the end: A's requests go first while A is over or at its quota
-    # (300/200, then 200/200 against B's 100/200); only then (tie at 100/200) is B touched.
-    assert [reqs[i].rid[0] for i in order[::-1][:2]] == ["a", "a"]
+        state.on_arrival(r)
+    core.begin_prefill(1 << 30, core.ledger.total_blocks, 0)
+    for r in reqs:
+        core.admit(core.entries[r.rid])
+        n = (held_tokens or {}).get(r.rid, len(r.origin_input_ids) + len(r.output_ids))
+        r.kv = SimpleNamespace(kv_allocated_len=n, kv_committed_len=n)
+    core.end_prefill()
 
 
-def test_retraction_order_respects_weights_and_configured_quotas():
+def retracted_first(state, reqs):
+    """The rids of `reqs` in the order SGLang's retract_decode takes them (from the end)."""
+    order = state.retraction_order(reqs)
+    assert sorted(order) == list(range(len(reqs)))
+    return [reqs[i].rid for i in order[::-1]]
+
+
+def test_retraction_order_is_the_core_victim_order():
+    """SGLang's decode retraction order is the core's victim rule (RoomMaker.victims_in_order),
+    the one the reference engine's out-of-blocks preemption takes its victims from: the lowest
+    tier first, then the newest admission; whatever order SGLang lists the batch in."""
     s = make_state()
-    a = FakeReq("a", "A", 100, weight=3.0)
-    b = FakeReq("b", "B", 100, weight=1.0)
-    c = FakeReq("c", "B", 100, weight=1.0)
-    reqs = [a, b, c]
-    for r in reqs:
-        s.on_arrival(r)
-    # weighted shares of 300 tokens: A 225, B 75: B (200/75) is the one over quota
-    assert [reqs[i].rid for i in s.retraction_order(reqs)][-1] in ("b", "c")
-    assert [reqs[i].rid for i in s.retraction_order(reqs)][0] == "a"
-    q = make_state(kv_quotas={"A": 10.0})
-    for r in (FakeReq("a", "A", 100, weight=3.0), FakeReq("b", "B", 100), FakeReq("c", "B", 100)):
-        q.on_arrival(r)
-    assert [reqs[i].rid for i in q.retraction_order(reqs)][-1] == "a"  # A is 10x over its configured quota
+    reqs = [FakeReq("i0", "I", 50, output=5), FakeReq("g0", "G", 50, tier="background"),
+            FakeReq("i1", "I", 50), FakeReq("g1", "G", 50, tier="background"), FakeReq("b0", "B", 50, tier="batch")]
+    admit_all(s, reqs)
+    shuffled = [reqs[i] for i in (3, 0, 4, 2, 1)]
+    assert retracted_first(s, shuffled) == ["g1", "g0", "b0", "i1", "i0"]
+    assert retracted_first(s, shuffled) == [e.request_id for e in s.core.room.victims_in_order()]
+    assert s.core.stall_victim().request_id == "g1"   # the reference's victim for nobody in particular
+
+
+def bound_state(pool_tokens: int, **kw) -> FairShareState:
+    """A state bound to a stand-in scheduler with a KV pool of `pool_tokens` (page size 1)."""
+    s = make_state(**kw)
+    s.scheduler = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(size=pool_tokens, available_size=lambda: 0),
+        tree_cache=SimpleNamespace(evictable_size=lambda: 0), page_size=1, chunked_prefill_size=256,
+        max_running_requests=8)
+    return s
+
+
+def test_retraction_order_takes_the_tenant_furthest_over_its_soft_quota_first():
+    """With the worker's KV quotas (the reference's KVQuotaConfig), the tenant over its soft quota
+    loses its newest requests first, until it is back within its quota; then the newest admission.
+    Without quotas the newest admission (B's) goes first."""
+    from worker.scheduling.quota import KVQuotaConfig
+
+    def order(**kw):
+        s = bound_state(500, **kw)
+        reqs = [FakeReq(f"a{i}", "A", 90, output=10) for i in range(4)] + [FakeReq("b0", "B", 90, output=10)]
+        admit_all(s, reqs)     # A holds 400 of 500 tokens, B (the newest) 100
+        return retracted_first(s, reqs[::-1])
+
+    # soft quota: (500 - 0 headroom) / 2 = 250 each: A is over until two of its requests are gone
+    assert order(kv_quota=KVQuotaConfig(enabled=True, headroom=0.0)) == ["a3", "a2", "b0", "a1", "a0"]
+    assert order() == ["b0", "a3", "a2", "a1", "a0"]
 
 
 def test_namespace_enforced_and_unverified_requests_isolated():
@@ -247,11 +278,35 @@ def test_replayed_tenant_token_is_accounted_unverified():
 
 
 def test_state_from_env():
-    s = state_from_env({"FAIRSHARE_SGLANG_POLICY": "fcfs", "FAIRSHARE_SGLANG_BETA": "3",
-                        "FAIRSHARE_SGLANG_KV_QUOTAS": '{"A": 100}', tn.SECRET_ENV: "x"})
-    assert s.policy.name == "fcfs" and s.cost.beta == 3.0 and s.kv_quotas == {"A": 100} and s.secret == "x"
-    with pytest.raises(ValueError):
-        state_from_env({"FAIRSHARE_SGLANG_KV_QUOTAS": '{"A": -1}'})
+    from worker.sglang_plugin import QUOTA_ENV, TIERS_ENV
+
+    s = state_from_env({"FAIRSHARE_SGLANG_POLICY": "fcfs", "FAIRSHARE_SGLANG_BETA": "3", tn.SECRET_ENV: "x",
+                        QUOTA_ENV: '{"enabled": true, "watermark": 0.7, "soft": {"A": 0.5}}',
+                        TIERS_ENV: '{"scheduling": true, "min_shares": {"background": 0.1}}'})
+    assert s.policy.name == "fcfs" and s.cost.beta == 3.0 and s.secret == "x"
+    assert s.kv_quota.watermark == 0.7 and s.kv_quota.soft == {"A": 0.5}
+    assert s.core.quota is not None and s.core.tiers.min_share["background"] == 0.1
+    assert state_from_env({}).core.quota is None                           # off unless configured
+    for bad in ({QUOTA_ENV: '{"watermark": 2}'}, {QUOTA_ENV: '{"nope": 1}'}, {QUOTA_ENV: "[1]"},
+                {TIERS_ENV: '{"min_shares": {"interactive": 0.1}}'}, {"FAIRSHARE_SGLANG_KV_QUOTAS": '{"A": 100}'}):
+        with pytest.raises(ValueError):
+            state_from_env(bad)
+
+
+def test_plugin_env_carries_the_worker_flags():
+    """`fairshare worker --engine sglang` parses the reference worker's --kv-* and --tier-* flags
+    and hands them to the plugin unchanged."""
+    from worker.sglang_server import build_parser, plugin_settings
+
+    p = build_parser()
+    args = p.parse_args(["--model", "m", "--kv-quota", "--kv-watermark", "0.6", "--kv-soft-quota", "A=0.4",
+                         "--tier-min-share", "batch=0.1"])
+    s = state_from_env(plugin_settings(p, args))
+    assert s.kv_quota.watermark == 0.6 and s.kv_quota.soft == {"A": 0.4} and s.kv_quota.headroom == 0.05
+    assert s.tier_min_shares["batch"] == 0.1 and s.tier_scheduling
+    assert state_from_env(plugin_settings(p, p.parse_args(["--model", "m"]))).kv_quota is None
+    with pytest.raises(SystemExit):
+        plugin_settings(p, p.parse_args(["--model", "m", "--iteration-token-target", "64"]))
 
 
 def test_register_refuses_a_bad_configuration(monkeypatch):
@@ -274,7 +329,7 @@ def test_register_refuses_a_bad_configuration(monkeypatch):
         if "sglang" not in sys.modules or name not in sys.modules:
             monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(plugin, "_registered", False)
-    monkeypatch.setenv("FAIRSHARE_SGLANG_KV_QUOTAS", "[1, 2]")
+    monkeypatch.setenv("FAIRSHARE_SGLANG_KV_QUOTA", "[1, 2]")
     with pytest.raises(SystemExit, match="bad configuration"):
         plugin.register(force=True)
     monkeypatch.setenv("FAIRSHARE_SGLANG_POLICY", "off")

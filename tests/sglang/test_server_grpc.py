@@ -81,9 +81,10 @@ def _verifier() -> worker_auth.Verifier:
     return worker_auth.Verifier(worker_auth.WorkerKeys.parse(os.environ[worker_auth.KEYS_ENV]))
 
 
-async def _serve(engine):
+async def _serve(engine, **options):
     server = grpc.aio.server()
-    servicer = ss.SGLangWorkerServicer(engine, FACTS, "sec", "vtc", request_factory=dict, verifier=_verifier())
+    servicer = ss.SGLangWorkerServicer(engine, FACTS, "sec", "vtc", request_factory=dict, verifier=_verifier(),
+                                       **options)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -155,13 +156,17 @@ async def test_abort_rpc_and_stream_cancel_abort_in_sglang():
         await server.stop(None)
 
 
+async def _refused_as_invalid(stub, req) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        [m async for m in stub.Generate(req, metadata=signed(req))]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_invalid_requests_rejected():
     server, channel, stub, _ = await _serve(FakeEngine())
     try:
         for bad in (_request("bad-1", prompt=()), _request("bad-2", prompt=[5] * 128), _request("bad-3", prompt=[1000])):
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                [m async for m in stub.Generate(bad, metadata=signed(bad))]
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await _refused_as_invalid(stub, bad)
     finally:
         await channel.close()
         await server.stop(None)
@@ -250,3 +255,120 @@ async def test_a_grammar_sglang_cannot_compile_is_invalid_argument_naming_the_gr
     finally:
         await channel.close()
         await server.stop(None)
+
+
+def _sample(text: str, name: str, **labels) -> float:
+    """One sample's value from a Prometheus text exposition (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith(name + ("{" + want + "}" if want else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_generate_exports_the_reference_workers_series_and_spans():
+    """The SGLang worker feeds the reference worker's per-tenant stream series (worker.metrics) and
+    spans (worker.tracing): TTFT, queue time (SGLang's meta_info queue_time), ITL, requests by
+    finish reason (rejected included), prompt and cached prompt tokens; worker.generate with its
+    queue / prefill / decode phases."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from fairshare.telemetry import make_tracer_provider
+    from worker.metrics import WorkerMetrics
+    from worker.tracing import worker_tracer
+
+    exporter = InMemorySpanExporter()
+    metrics = WorkerMetrics()
+    server, channel, stub, servicer = await _serve(
+        FakeEngine(), metrics=metrics, tracer=worker_tracer(make_tracer_provider("t", span_exporter=exporter)))
+    try:
+        req = _request(max_tokens=4)
+        msgs = [m async for m in stub.Generate(req, metadata=signed(req))]
+        assert msgs[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+        await _refused_as_invalid(stub, _request("r2", prompt=()))   # refused before SGLang sees it
+    finally:
+        await channel.close()
+        await server.stop(None)
+    text = metrics.render().decode()
+    assert _sample(text, "fairshare_worker_ttft_seconds_count", tenant="acme") == 1
+    assert _sample(text, "fairshare_worker_queue_seconds_sum", tenant="acme") == pytest.approx(0.005)
+    assert _sample(text, "fairshare_worker_itl_seconds_count", tenant="acme") == 3     # 4 tokens, one a step
+    assert _sample(text, "fairshare_worker_requests_total", tenant="acme", finish_reason="length") == 1
+    assert _sample(text, "fairshare_worker_requests_total", tenant="acme", finish_reason="rejected") == 1
+    assert _sample(text, "fairshare_worker_prompt_tokens_total", tenant="acme") == 5
+    assert _sample(text, "fairshare_worker_cached_prompt_tokens_total", tenant="acme") == 2
+    spans = {}
+    for span in exporter.get_finished_spans():
+        spans.setdefault(span.name, []).append(span)
+    assert sorted(spans) == ["worker.decode", "worker.generate", "worker.prefill", "worker.queue"]
+    ok = next(s for s in spans["worker.generate"] if s.attributes["fairshare.outcome"] == "length")
+    assert ok.attributes["fairshare.tenant"] == "acme" and ok.attributes["fairshare.tier"] == "interactive"
+    assert ok.attributes["fairshare.cached_prompt_tokens"] == 2 and ok.attributes["fairshare.completion_tokens"] == 4
+    assert any(s.attributes["fairshare.outcome"] == "rejected" for s in spans["worker.generate"])
+    queue = next(s for s in spans["worker.queue"] if s.parent.span_id == ok.context.span_id)
+    assert (queue.end_time - queue.start_time) == pytest.approx(0.005e9, abs=1e3)
+
+
+async def test_ttft_floor_holds_a_tiers_first_token():
+    """--ttft-floor interactive=0.3: the first token leaves no earlier than 0.3 s after arrival (the
+    TTFT reported, in the message and the series, is the one the client sees); every token still comes."""
+    from worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    server, channel, stub, servicer = await _serve(FakeEngine(), metrics=metrics, ttft_floor_s={"interactive": 0.3})
+    try:
+        req = _request(max_tokens=4)
+        msgs = [m async for m in stub.Generate(req, metadata=signed(req))]
+    finally:
+        await channel.close()
+        await server.stop(None)
+    assert [t for m in msgs for t in m.token_ids] == [10, 11, 12, 13]
+    first = next(m for m in msgs if m.token_ids)
+    assert first.timings.first_token_s >= 0.3
+    assert _sample(metrics.render().decode(), "fairshare_worker_ttft_seconds_sum", tenant="acme") >= 0.3
+
+
+def test_worker_flags_reach_the_servicer_and_plugin():
+    """`--ttft-floor` is the reference worker's flag (worker.cache.options)."""
+    from worker.cache.options import ttft_floor_settings
+
+    p = ss.build_parser()
+    args = p.parse_args(["--model", "m", "--ttft-floor", "interactive=0.2"])
+    assert ttft_floor_settings(p, args) == {"interactive": 0.2}
+    with pytest.raises(SystemExit):
+        ttft_floor_settings(p, p.parse_args(["--model", "m", "--ttft-floor", "batch=1", "--ttft-floor", "batch=2"]))
+
+
+async def test_metrics_export_the_schedulers_fairshare_figures_under_the_reference_names():
+    """The SGLang worker's /metrics carries the reference worker's per-tenant and per-tier series,
+    from each scheduler's plugin state (`Scheduler.get_internal_state`, read through the tokenizer
+    manager at scrape time, off the event loop as Prometheus scrapes are)."""
+    from tests.sglang.test_plugin_state import FakeReq, admit_all, make_state
+
+    plugin = make_state()
+    admit_all(plugin, [FakeReq("a1", "A", 40, weight=2.0), FakeReq("g1", "G", 30, tier="background")])
+    plugin.on_arrival(FakeReq("a2", "A", 40, weight=2.0))
+    plugin.policy.charge("A", 80.0, prompt_tokens=40)
+
+    class Manager(FakeTokenizerManager):
+        async def get_internal_state(self):
+            return [{"max_running_requests": 8, "fairshare": plugin.engine_snapshot()}]
+
+    engine = FakeEngine()
+    engine.tokenizer_manager = Manager()
+    server, channel, stub, servicer = await _serve(engine)
+    try:
+        servicer.snapshots.loop = asyncio.get_running_loop()
+        text = (await asyncio.to_thread(servicer.metrics.render)).decode()
+    finally:
+        await channel.close()
+        await server.stop(None)
+    assert _sample(text, "fairshare_worker_running_requests") == 2
+    assert _sample(text, "fairshare_worker_waiting_requests") == 1
+    assert _sample(text, "fairshare_worker_tenant_virtual_counter", tenant="A") == \
+        plugin.policy.accounts["A"].virtual_counter > 0
+    assert _sample(text, "fairshare_worker_tenant_charged_service_units_total", tenant="A") == 80.0
+    assert _sample(text, "fairshare_worker_tenant_waiting_requests", tenant="A") == 1
+    assert _sample(text, "fairshare_worker_tier_running_requests", tier="background") == 1
+    assert _sample(text, "fairshare_worker_tier_min_share", tier="background") == 0.05
+    assert _sample(text, "fairshare_worker_policy_info", policy="vtc") == 1

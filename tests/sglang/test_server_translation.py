@@ -207,4 +207,4 @@ def test_cli_dispatches_engine_sglang(monkeypatch, tmp_path):
     args = ss.build_parser().parse_args(["--engine", "sglang", "--model", "/m", "--tp-size", "2",
                                          "--mem-fraction-static", "0.8"])
     assert ss.engine_kwargs(args) == {"model_path": "/m", "tp_size": 2, "log_level": "error",
-                                      "skip_tokenizer_init": False, "mem_fraction_static": 0.8}
+                                      "skip_tokenizer_init": False, "enable_metrics": True, "mem_fraction_static": 0.8}

@@ -83,3 +83,89 @@ def test_vtc_order_reaches_the_prefill_adder():
     assert 15 <= sum(r.startswith("w3-") for r in first) <= 20, first
     fcfs = run_sglang(WORKLOADS["weighted"], "fcfs")
     assert all(r.startswith("w1-") for r in fcfs.first_admissions()[:40])
+
+
+def test_the_core_is_told_sglangs_decode_reserve():
+    """The free room the plugin reports to the core is SGLang's own prefill budget: free plus
+    evictable less what `PrefillAdder.__init__` holds back for the running batch
+    (`memory_budget.total_offset`: remaining new tokens times `new_token_ratio`, plus the decodes
+    riding along with mixed chunked prefill). Checked pass by pass against the adder SGLang builds
+    in the same pass, on memory-flood (KV-bound, so the reserve is what decides)."""
+    seen = []
+    with SGLangDriver(WORKLOADS["memory-flood"]) as driver:
+        state = driver.state
+        adder_class = hooks.prefill_adder_class()
+        real_init, real_begin = adder_class.__init__, state.begin_pass
+
+        def begin(scheduler, running_batch):
+            state._batch = running_batch
+            try:
+                seen.append([state.decode_reserve()])
+            finally:
+                state._batch = None
+            return real_begin(scheduler, running_batch)
+
+        def init(self, *args, **kwargs):
+            real_init(self, *args, **kwargs)
+            if seen and len(seen[-1]) == 1:
+                seen[-1].append(self.memory_budget.total_offset)
+
+        state.begin_pass = begin
+        adder_class.__init__ = init
+        try:
+            for _ in range(80):
+                driver.step()
+        finally:
+            adder_class.__init__ = real_init
+    pairs = [p for p in seen if len(p) == 2]
+    assert len(pairs) >= 20 and any(ours > 0 for ours, _ in pairs)
+    assert all(ours == -(-theirs // 1) for ours, theirs in pairs), [p for p in pairs if p[0] != -(-p[1] // 1)][:5]
+
+
+def test_kv_hard_cap_is_enforced_in_sglangs_admissions():
+    """The worker's KV quotas reach SGLang's admissions through the core's plan: with flood's hard
+    cap at 30 % of the 4096-token pool, SGLang never runs two of flood's 1024-token requests at once
+    (without quotas it runs up to three), the victim tenant keeps being served, and nothing leaks."""
+    from worker.scheduling.quota import KVQuotaConfig
+
+    def most_flood_running(**options):
+        most = 0
+        with SGLangDriver(WORKLOADS["memory-flood"], **options) as driver:
+            s = driver.scheduler
+            for _ in range(160):
+                rec = driver.step()
+                live = list(s.running_batch.reqs) + ([s.chunked_req] if s.chunked_req is not None else [])
+                most = max(most, sum(1 for r in live if r.fairshare_tag.tenant_id == "flood" and not r.finished()))
+            victim_service = rec.service.get("victim", 0.0)
+        return most, victim_service
+
+    capped, served = most_flood_running(kv_quota=KVQuotaConfig(enabled=True, hard={"flood": 0.3}))
+    free, _ = most_flood_running()
+    assert capped == 1 and free >= 2 and served > 0, (capped, free, served)
+
+
+def test_get_internal_state_carries_the_schedulers_fairshare_figures():
+    """AFTER `Scheduler.get_internal_state` adds the core's figures in the reference engine's snapshot
+    shape, msgpack-native as SGLang sends them. The driver's Scheduler has no `internal_state`
+    component (built in `Scheduler.__init__`), so the hook is applied to the output that component
+    returns, built with SGLang's own class; that SGLang's method carries the hook is checked too."""
+    import msgspec
+
+    from sglang.srt.managers.io_struct import GetInternalStateReq, GetInternalStateReqOutput
+
+    ensure_plugin()
+    assert inspect.getclosurevars(Scheduler.get_internal_state).nonlocals["hook"] is hooks.after_get_internal_state
+    with SGLangDriver(WORKLOADS["tiers"]) as driver:
+        for _ in range(12):
+            driver.step()
+        out = GetInternalStateReqOutput(internal_state={"max_running_requests": 8})
+        assert hooks.after_get_internal_state(out, driver.scheduler, GetInternalStateReq()) is None
+        snap = out.internal_state["fairshare"]
+        core = driver.state.core
+        assert snap["running"] == len(core.running) > 0 and snap["waiting"] == core.num_waiting() > 0
+        by_tenant = {t["tenant_id"]: t for t in snap["tenants"]}
+        assert by_tenant["bg"]["tier"] == "background" and by_tenant["batch"]["charged_service"] > 0
+        assert by_tenant["inter"]["virtual_counter"] == driver.state.policy.accounts["inter"].virtual_counter
+        assert snap["tiers"]["background"]["min_share"] == 0.05 and snap["kv_blocks_total"] == WORKLOADS["tiers"].engine.kv_tokens
+        assert sum(t["kv_blocks"] for t in snap["tenants"]) > 0
+        msgspec.msgpack.decode(msgspec.msgpack.encode(out.internal_state))

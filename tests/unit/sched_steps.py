@@ -10,11 +10,12 @@ from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 _ids = itertools.count(1)
 
 
-def make_seq(tenant: str, prompt_len: int, max_tokens: int = 8, weight: float = 1.0) -> Sequence:
-    """A request of `tenant` with prompt tokens 1..prompt_len and at most `max_tokens` output tokens;
-    request ids q1, q2, ... are unique across the test session."""
+def make_seq(tenant: str, prompt_len: int, max_tokens: int = 8, weight: float = 1.0,
+             tier: str = "interactive") -> Sequence:
+    """A request of `tenant` (in `tier`) with prompt tokens 1..prompt_len and at most `max_tokens`
+    output tokens; request ids q1, q2, ... are unique across the test session."""
     return Sequence(f"q{next(_ids)}", tenant, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens),
-                    weight=weight, max_tokens=max_tokens)
+                    weight=weight, max_tokens=max_tokens, tier=tier)
 
 
 def step(sched):

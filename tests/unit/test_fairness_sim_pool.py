@@ -68,15 +68,21 @@ def test_prefix_and_fair_keep_one_workers_hit_rate_without_queueing_longer(local
 
 def test_fair_keeps_pool_wide_shares_under_a_skewed_overload():
     """Must-show: the skewed overload on 4 workers: fair's pool-wide max weighted service difference
-    >= 10x below per-worker VTC's (and FCFS's), its Jain index near one worker's."""
+    within 2x of single-worker VTC's at the pool's capacity and >= 10x below per-worker VTC's (and
+    FCFS's); the report prints the four side by side. Exact figures: the simulator is deterministic."""
     rows = pool_report.run_skew(TM, resolve_rate_scale("auto", TM)[0], seed=0, workload=SKEWED_OVERLOAD)
     fair, per, fcfs = rows["fair"], rows["per-worker VTC"], rows["FCFS"]
     single = rows[pool_report.SKEW_SINGLE]
-    assert per.diff >= 10 * fair.diff and fcfs.diff >= 10 * fair.diff
-    assert fair.jain >= 0.98 > per.jain and single.jain >= 0.99
+    assert fair.diff <= 2 * single.diff, (fair.diff, single.diff)
+    assert per.diff >= 10 * fair.diff and fcfs.diff >= 10 * fair.diff, (per.diff, fcfs.diff, fair.diff)
+    assert fair.jain >= 0.99 > per.jain and single.jain >= 0.99
     assert fair.spills > 0 and per.spills == 0
-    # the residual is the start: in the second half fair is closer still
-    assert fair.diff_late <= fair.diff and fair.jain_late >= 0.99
+    assert fair.diff_late <= fair.diff and fair.jain_late >= 0.999
+    pb = pool_report.PoolBench(TM, 0, 0.8, 300.0, skew=rows)
+    line = pool_report.side_by_side(pb)
+    for label in ("per-worker VTC", "fair", "FCFS", "single-worker VTC"):
+        assert re.search(re.escape(label) + r" [0-9,]+ / [0-9.]+", line), line
+    assert f"fair {fair.diff:,.0f} / {fair.jain:.3f}" in line and "  " + line in pool_report.lines(pb)
 
 
 def test_single_worker_equivalent_has_the_pools_capacity():

@@ -1,5 +1,5 @@
 """Routing policies (gateway/routing_policy.py): least-loaded, prefix (rendezvous hashing with bounded
-loads) and fair (spill by pool slot share and counter lag); the module has no grpc/fastapi imports."""
+loads) and fair (spill by pool-wide deficit: spare capacity, first in line); the module has no grpc/fastapi imports."""
 
 from __future__ import annotations
 
@@ -114,34 +114,54 @@ def test_fair_routes_like_prefix_without_a_board_or_contention():
     assert fair.choose(r, ws) is prefix and fair.spills == 0
 
 
-def test_fair_spills_a_tenant_below_its_pool_slot_share():
-    ws = [W(f"w{i}") for i in range(4)]
-    r = req("a")
-    home = PrefixAffinity().choose(r, ws).route_id
-    others = [w.route_id for w in ws if w.route_id != home]
-    # a runs 4 requests at home (crowded with b, c); d alone runs 60 on one other worker
-    rows = {home: {"a": (100.0, True, 4), "b": (100.0, True, 30), "c": (100.0, True, 30)},
-            others[0]: {"d": (100.0, True, 60)}, others[1]: {}, others[2]: {}}
-    fair = FairRouting(lambda: board_of(rows))
+def test_fair_spills_a_tenant_queued_at_home_to_spare_capacity():
+    """From its first queued request on, a tenant backlogged at its affine worker goes to a worker
+    with no queue that is lighter by at least the slack bound (D²LPM's locality bound), the
+    least-loaded of them; a worker with a queue, or one within the bound, does not take it."""
+    ws = [W(f"w{i}", 40_000) for i in range(4)]
+    r = req("a", cost=512)
+    home = PrefixAffinity().choose(r, ws)
+    x, y, z = [w for w in ws if w is not home]
+    rows = {home.route_id: {"a": (100.0, True, 20), "b": (100.0, True, 20)},
+            x.route_id: {"d": (900.0, True, 64)}, y.route_id: {"e": (900.0, False, 50)}, z.route_id: {}}
+    y.load, z.load = 30_000, 35_000  # y: its tenant runs but nobody queues, 10,000 tokens lighter than home
+    fair = FairRouting(lambda: board_of(rows), slack_tokens=4096)
     seen = []
     fair.on_spill = seen.append
-    assert fair.choose(r, ws).route_id == others[0]  # its local share there is 32 of 64
-    assert fair.spills == 1 and seen == [r]
-    # holding its share, it stays home
-    rows[home]["a"] = (100.0, True, 40)
-    assert fair.choose(r, ws).route_id == home
+    assert fair.choose(r, ws) is y and fair.spills == 1 and seen == [r]
+    y.load = 40_000 - 512 - 4096 + 1  # within the bound: locality wins over a few free slots
+    assert fair.choose(r, ws) is z  # 35,000: lighter than home by the request plus the slack
+    z.load = 40_000
+    assert fair.spare_target(r, ws, home) is None
+    # nobody queued at home and a backlogged nowhere: it starts at once there, so it stays home
+    rows[home.route_id] = {"a": (100.0, False, 20), "b": (100.0, False, 20)}
+    y.load = 0
+    assert fair.choose(r, ws) is home and fair.spills == 2
 
 
-def test_fair_spills_on_a_counter_lag_to_where_it_leads_most():
-    ws = [W(f"w{i}") for i in range(3)]
-    r = req("a")
-    home = PrefixAffinity().choose(r, ws).route_id
-    x, y = [w.route_id for w in ws if w.route_id != home]
-    rows = {home: {"a": (1000.0, True, 2)}, x: {"b": (1500.0, True, 2)}, y: {"c": (5000.0, True, 2)}}
-    fair = FairRouting(lambda: board_of(rows), spill_units=1024)  # same running counts: no slot spill
-    assert fair.choose(r, ws).route_id == y  # leads by 4000 there; 500 at x is under the margin
-    rows[y]["c"] = (1800.0, True, 2)
-    assert fair.choose(r, ws).route_id == home  # no margin above 1024 anywhere
+def test_fair_sends_a_lagging_tenant_where_it_is_first_in_line():
+    """No spare capacity anywhere: a tenant queued at home goes to the worker where every backlogged
+    rival leads its pool-wide counter by the largest margin above `spill_units`; rivals that only
+    run (no queue) do not count, and a worker where it is queued itself is skipped."""
+    ws = [W(f"w{i}", 40_000) for i in range(4)]
+    r = req("a", cost=512)
+    home = PrefixAffinity().choose(r, ws)
+    x, y, z = [w.route_id for w in ws if w is not home]
+    rows = {home.route_id: {"a": (1000.0, True, 20), "b": (1000.0, True, 20)},
+            x: {"c": (1500.0, True, 30), "s": (10.0, False, 10)},  # s only runs there: no rival in line
+            y: {"d": (5000.0, True, 30), "e": (1200.0, True, 30)},  # e is in line at y: margin 200
+            z: {"f": (4000.0, True, 30), "a": (1000.0, True, 2)}}  # a queues at z itself
+    fair = FairRouting(lambda: board_of(rows))
+    assert fair.spill_units == 0.0
+    assert fair.choose(r, ws).route_id == x  # margin 500 at x, 200 at y, z skipped
+    assert FairRouting(lambda: board_of(rows), spill_units=300).choose(r, ws).route_id == x
+    assert FairRouting(lambda: board_of(rows), spill_units=600).choose(r, ws) is home  # no margin above 600
+    rows[x]["c"] = (900.0, True, 30)
+    assert fair.choose(r, ws).route_id == y
+    # its home has nobody queued and it is backlogged nowhere: affinity
+    rows[home.route_id] = {"a": (1000.0, False, 20), "b": (1000.0, False, 20)}
+    rows[z]["a"] = (1000.0, False, 2)
+    assert fair.choose(r, ws) is home
 
 
 def test_make_routing_names_and_errors():
@@ -152,5 +172,6 @@ def test_make_routing_names_and_errors():
         make_routing("random")
     with pytest.raises(ValueError):
         PrefixAffinity(load_factor=0.5)
+    assert FairRouting(spill_units=0).spill_units == 0
     with pytest.raises(ValueError):
-        FairRouting(spill_units=0)
+        FairRouting(spill_units=-1)

@@ -35,6 +35,8 @@ BAD_FLAGS = [
     (["--tier-min-share", "batch=0.1", "--tier-min-share", "batch=0.2"], "'batch' given twice"),
     (["--tier-min-share", "batch=0.1", "--no-tier-scheduling"], "needs tier scheduling"),
     (["--iteration-token-target", "0"], "argument --iteration-token-target: 0 is not > 0"),
+    (["--lower-tier-token-target", "-1"], "argument --lower-tier-token-target: -1 is not >= 0"),
+    (["--lower-tier-token-target", "x"], "argument --lower-tier-token-target: 'x' is not an integer"),
 ]
 
 

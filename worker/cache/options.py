@@ -58,8 +58,7 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="EXPERIMENTS ONLY: one cache namespace shared by all tenants (leaks prompts across tenants)")
     g.add_argument("--public-prefix-file", default=None, metavar="PATH",
                    help="JSON list of prefixes shared across tenants: strings or lists of token ids")
-    g.add_argument("--ttft-floor", type=_tier_seconds, action="append", default=None, metavar="TIER=SECONDS",
-                   help="hold the tier's first token until SECONDS after arrival (repeatable)")
+    add_ttft_floor_argument(g)
     g.add_argument("--cached-rate", type=_rate, default=0.0,
                    help="fraction of the prompt-token rate charged per cached prompt token (default 0)")
 
@@ -94,6 +93,23 @@ def load_public_prefixes(path: str | Path, tokenizer, vocab_size: int | None = N
     return out
 
 
+def add_ttft_floor_argument(g) -> None:
+    """`--ttft-floor TIER=SECONDS` (repeatable) on a parser or argument group; both workers take it
+    (see `ttft_floor_settings`)."""
+    g.add_argument("--ttft-floor", type=_tier_seconds, action="append", default=None, metavar="TIER=SECONDS",
+                   help="hold the tier's first token until SECONDS after arrival (repeatable)")
+
+
+def ttft_floor_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, float]:
+    """Tier -> TTFT floor in seconds from `--ttft-floor`. Calls `p.error` (exit 2) for a tier given twice."""
+    floors: dict[str, float] = {}
+    for tier, seconds in args.ttft_floor or []:
+        if tier in floors:
+            p.error(f"--ttft-floor: tier {tier!r} given twice")
+        floors[tier] = seconds
+    return floors
+
+
 def cache_settings(p: argparse.ArgumentParser, args: argparse.Namespace, tokenizer=None,
                    vocab_size: int | None = None) -> dict:
     """EngineConfig fields from the flags. Calls `p.error` (exit 2) for a bad public prefix file
@@ -101,11 +117,7 @@ def cache_settings(p: argparse.ArgumentParser, args: argparse.Namespace, tokeniz
     --unsafe-global-cache, and a warning for each public prefix shorter than one KV block
     (`args.block_size` tokens, when the parser has it): only whole blocks are shared, so such a
     prefix is never shared."""
-    floors: dict[str, float] = {}
-    for tier, seconds in args.ttft_floor or []:
-        if tier in floors:
-            p.error(f"--ttft-floor: tier {tier!r} given twice")
-        floors[tier] = seconds
+    floors = ttft_floor_settings(p, args)
     prefixes: list[list[int]] = []
     if args.public_prefix_file:
         try:

@@ -35,6 +35,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S, FaultWindow
 from worker.scheduling.cost import make_cost
+from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
 from worker.scheduling.policy import make_policy
 from worker.scheduling.pool import PoolCounters
 from worker.scheduling.tiers import TierShares
@@ -62,7 +63,9 @@ class EngineConfig:
     tenant in one tier; worker/scheduling/tiers.py). tier_min_shares: lower tier -> minimum share
     of service (missing tiers: 5 %). iteration_token_target: tokens per contended iteration beyond
     which they are shared by tier and weight (None: the token budget, so nothing changes;
-    worker/scheduling/decode_share.py).
+    worker/scheduling/decode_share.py). lower_tier_token_target: tokens per iteration the lower
+    tiers together may take while a higher tier has work, unless owed their minimum share (None or
+    0: no limit; default 4, docs/fairness.md "Tiers").
     kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
     fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
     admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
@@ -101,6 +104,7 @@ class EngineConfig:
     tier_scheduling: bool = True
     tier_min_shares: dict = field(default_factory=dict)
     iteration_token_target: int | None = None
+    lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET
     kv_quota: bool = False
     kv_watermark: float = 0.8
     kv_headroom: float = 0.05
@@ -208,7 +212,8 @@ class Engine:
                                    cfg.max_running, prefill_slice=cfg.prefill_slice, max_skips=cfg.max_skips,
                                    clock=self.clock, quota=self.quota,
                                    returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
-                                   tiers=self.tiers, iteration_token_target=cfg.iteration_token_target)
+                                   tiers=self.tiers, iteration_token_target=cfg.iteration_token_target,
+                                   lower_tier_token_target=cfg.lower_tier_token_target or None)
         self.pool = PoolCounters()  # pool-wide counters; inert until another worker's report arrives
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
@@ -709,6 +714,7 @@ class Engine:
             "preemptions_by_reason": dict(core.stats.preemptions),
             "tier_scheduling": self.tiers.enabled, "tiers": core.tier_snapshot(),
             "iteration_token_target": core.iteration_token_target,
+            "lower_tier_token_target": core.lower_tier_token_target,
         }
 
 

@@ -28,6 +28,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from worker.scheduling.core import OUT_OF_BLOCKS, SchedulingCore
 from worker.scheduling.cost import CostFunction
+from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
 from worker.scheduling.policy import SchedulingPolicy
 from worker.scheduling.quota import KVQuota
 from worker.scheduling.tiers import TierShares
@@ -63,14 +64,17 @@ class Scheduler:
     returning_preemption: a returning tenant below its slot share gets a slot at once (the engine
     turns it off for FCFS). tiers: `TierShares` (default: strict priority with 5 % minimum shares).
     iteration_token_target: tokens per contended iteration beyond which they are shared by tier and
-    weight (None: the token budget, i.e. never). Raises ValueError on non-positive sizes.
+    weight (None: the token budget, i.e. never). lower_tier_token_target: tokens per iteration the
+    lower tiers together may take while a higher tier has work (None: no limit; default 4;
+    worker/scheduling/decode_share.py). Raises ValueError on non-positive sizes.
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, block_manager: BlockManager,
                  max_num_batched_tokens: int = 512, max_running: int = 64, *, prefill_slice: int = 16,
                  max_skips: int = 8, clock: Callable[[], float] = time.monotonic,
                  quota: KVQuota | None = None, returning_preemption: bool = True,
-                 tiers: TierShares | None = None, iteration_token_target: int | None = None) -> None:
+                 tiers: TierShares | None = None, iteration_token_target: int | None = None,
+                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
         if max_num_batched_tokens < 1 or max_running < 1 or prefill_slice < 1:
             raise ValueError("max_num_batched_tokens, max_running and prefill_slice must be >= 1")
         self.cost = cost
@@ -84,7 +88,8 @@ class Scheduler:
                                    max_running=max_running, chunk_tokens=max_num_batched_tokens,
                                    prefill_slice=prefill_slice, max_skips=max_skips, quota=quota,
                                    returning=returning_preemption, tiers=tiers,
-                                   iteration_token_target=iteration_token_target)
+                                   iteration_token_target=iteration_token_target,
+                                   lower_tier_token_target=lower_tier_token_target)
 
     # ---- the core's Executor protocol -----------------------------------------------------------
     def admission_need(self, seq: Sequence) -> int:

@@ -54,7 +54,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from worker.scheduling.cost import CostFunction
-from worker.scheduling.decode_share import plan_iteration
+from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_TOKEN_TARGET, DEFAULT_TIER_GRACE_ITERATIONS,
+                                             plan_iteration)
 from worker.scheduling.eligibility import EligibilityGate
 from worker.scheduling.ledger import KVLedger
 from worker.scheduling.policy import TIERS, SchedulingPolicy, TenantAccount
@@ -177,9 +178,12 @@ class SchedulingCore:
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, executor: Executor, *, total_blocks: int,
                  max_running: int, chunk_tokens: int = 512, prefill_slice: int = 16, max_skips: int = 8,
                  quota: KVQuota | None = None, returning: bool = True, tiers: TierShares | None = None,
-                 iteration_token_target: int | None = None) -> None:
-        if chunk_tokens < 1 or prefill_slice < 1 or (iteration_token_target is not None and iteration_token_target < 1):
-            raise ValueError("chunk_tokens, prefill_slice and iteration_token_target must be >= 1")
+                 iteration_token_target: int | None = None,
+                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
+        if chunk_tokens < 1 or prefill_slice < 1 or any(
+                t is not None and t < 1 for t in (iteration_token_target, lower_tier_token_target)):
+            raise ValueError("chunk_tokens, prefill_slice, iteration_token_target and lower_tier_token_target "
+                             "must be >= 1")
         self.policy = policy
         self.cost = cost
         self.executor = executor
@@ -191,8 +195,13 @@ class SchedulingCore:
         self.chunk_tokens = chunk_tokens
         self.prefill_slice = prefill_slice
         self.iteration_token_target = iteration_token_target or chunk_tokens
+        self.lower_tier_token_target = lower_tier_token_target
+        self.tier_grace_iterations = DEFAULT_TIER_GRACE_ITERATIONS
+        self._tier_last_work: dict[str, int] = {}   # tier -> last iteration it had work (decode_share)
         self._tier_prefill_cap: dict[str, int] | None = None
         self._partial_heaps: dict[str, list] | None = None
+        self._partial_tenants: set[str] = set()      # tenants that may have a running partial prefill
+        self._no_slot_now: bool | None = None         # `_no_slot`, until a slot or a hold changes
         self._sticky: TenantState | None = None
         self.tenants: dict[str, TenantState] = {}
         self.entries: dict[str, Entry] = {}
@@ -206,6 +215,7 @@ class SchedulingCore:
         self._dirty: set[str] = set()
         self._keyed = type(policy).key is not SchedulingPolicy.key  # VTC, FCFS: heaps; DRR: asked
         self._lazy = self._keyed and policy.key_rises_with_charges
+        self._key_uses_arrival = policy.key_uses_arrival
         self._backlogged_by_tier = {t: 0 for t in TIERS}
         self._running_by_tier = {t: 0 for t in TIERS}
         # per prefill round
@@ -282,6 +292,7 @@ class SchedulingCore:
         self.executor.preempt(e.handle)
         self._leave_running(e)
         self.ledger.on_release(blocks, promise)
+        self._no_slot_now = None
         self.ledger.free = self.executor.free_blocks()
         e.protected = e.for_share = False
         e.preemptions += 1
@@ -294,6 +305,7 @@ class SchedulingCore:
         self._dirty.add(ts.tenant_id)
 
     def _leave_running(self, e: Entry) -> None:
+        self._no_slot_now = None
         ts = e.tenant
         del self.running[e.request_id]
         del ts.running[e.request_id]
@@ -384,6 +396,7 @@ class SchedulingCore:
         self.room.for_higher_tiers()
         if self.returning is not None:
             self.room.for_returning()
+        self._no_slot_now = None
 
     # ---- the iteration's tokens: decodes, then prefill -----------------------------------------------
     def plan_iteration(self, decoding: list[Entry], budget: int) -> tuple[list[Entry], int | None]:
@@ -395,10 +408,11 @@ class SchedulingCore:
 
     def prefill_demand(self, tier: str, limit: int) -> int:
         """Prefill tokens the tier's tenants have pending (running partial prefills and waiting
-        requests), counted up to `limit`."""
+        requests), counted up to `limit` (the result, min(pending, limit), does not depend on the
+        order the tenants are visited in)."""
         total = 0
         left = self.executor.prefill_left
-        for tid in sorted(self._pending[tier]):
+        for tid in self._pending[tier]:
             ts = self.tenants[tid]
             for e in ts.partials:
                 if e.running:
@@ -430,6 +444,7 @@ class SchedulingCore:
         self._dead = set()
         self._unfit = {}
         self.ledger.sync(free_blocks, promised_blocks, len(self.running))
+        self._no_slot_now = None
         self._refresh()
 
     def next_prefill(self) -> Entry | None:
@@ -461,17 +476,26 @@ class SchedulingCore:
 
     def _sticky_head(self, ts: TenantState) -> Entry | None:
         """`ts`'s servable head if `ts` is still first in its tier's heap (else None)."""
-        key = self._key(ts)
-        if self._no_slot():
+        head = self._head(ts)
+        if head is None:
+            return None
+        key = self.policy.key(ts.tenant_id, head.arrival)
+        no_slot = self._no_slot()
+        if no_slot:
             top = self._top(self._partial_heap(ts.sched_tier), partial=True)
         else:
             top = self._top(self._heaps[ts.sched_tier], partial=False)
         if top is not None and top < key:
             return None
-        head = self._head(ts)
-        if head is None or (not head.running and self._no_slot()):
+        if head.running:
+            if self.executor.prefill_room(head.handle, self._alloc.get(head.request_id, 0)) > 0:
+                return head
+        elif no_slot and ts.tenant_id not in self._slot_holders():
             return None
-        return self._servable_head(ts)
+        elif self.admissible(head):
+            return head
+        self._out.add(ts.tenant_id)
+        return None
 
     def _top(self, heap: list, partial: bool):
         """The smallest valid key in `heap` (fixing stale entries on the way), or None."""
@@ -536,6 +560,7 @@ class SchedulingCore:
             if tid != ts.tenant_id and self._skips_for(tid, ts):
                 self.gate.on_skip(tid, rid, need, self.iteration)
         self.ledger.on_admit(ts.tenant_id, e.request_id, e.need)
+        self._no_slot_now = None
         ts.waiting.popleft()
         self._waiting -= 1
         e.running = True
@@ -544,6 +569,7 @@ class SchedulingCore:
         self.running[e.request_id] = e
         ts.running[e.request_id] = e
         ts.partials.appendleft(e)
+        self._partial_tenants.add(ts.tenant_id)
         self._running_by_tier[ts.tier] += 1
         if self.gate.holds(e.request_id):
             e.protected = True
@@ -610,6 +636,8 @@ class SchedulingCore:
         return ts.waiting[0] if ts.waiting else None
 
     def _key(self, ts: TenantState) -> tuple:
+        if not self._key_uses_arrival:
+            return self.policy.key(ts.tenant_id, 0.0)
         head = self._head(ts)
         return self.policy.key(ts.tenant_id, head.arrival if head is not None else 0.0)
 
@@ -672,10 +700,22 @@ class SchedulingCore:
         return None
 
     def _no_slot(self) -> bool:
-        """No waiting request can be admitted this round: every running slot is taken and none is
-        held (only running partial prefills can be served then)."""
-        led = self.ledger
-        return led.running >= led.max_running and not any(h.slots > 0 for h in led.holds)
+        """No running slot is free for a waiting request without a hold: every slot is taken or
+        held (only running partial prefills, and the heads of tenants room is held for, can be
+        served then)."""
+        if self._no_slot_now is None:
+            led = self.ledger
+            held = 0
+            for h in led.holds:
+                if h.slots > 0:
+                    held += h.slots
+            self._no_slot_now = led.running + held >= led.max_running
+        return self._no_slot_now
+
+    def _slot_holders(self) -> set[str]:
+        """Tenants a running slot is held for this iteration (their heads may take one even when
+        `_no_slot`)."""
+        return {h.tenant_id for h in self.ledger.holds if h.slots > 0}
 
     def _partial_heap(self, tier: str) -> list:
         """The heap of tenants of `tier` with a running partial prefill, built once per round from
@@ -685,11 +725,23 @@ class SchedulingCore:
             left, alloc, seen = self.executor.prefill_left, self._alloc, set(self._out)
             if self._sticky is not None:
                 seen.add(self._sticky.tenant_id)
-            for e in self.running.values():
-                ts = e.tenant
-                if ts.tenant_id not in seen and left(e.handle) - alloc.get(e.request_id, 0) > 0:
-                    seen.add(ts.tenant_id)
-                    heaps[ts.sched_tier].append((self._key(ts), ts.tenant_id))
+            # the tenants admitted with prefill to do (`admit` adds them), not the whole running set
+            for tid in list(self._partial_tenants):
+                ts = self.tenants.get(tid)
+                if ts is not None and ts.partials:
+                    live = [e for e in ts.partials if e.running and left(e.handle) > 0]  # done ones for good
+                    if len(live) != len(ts.partials):
+                        ts.partials = deque(live)
+                if ts is None or not ts.partials:
+                    self._partial_tenants.discard(tid)
+                    continue
+                if tid not in seen and any(left(e.handle) - alloc.get(e.request_id, 0) > 0 for e in ts.partials):
+                    seen.add(tid)
+                    heaps[ts.sched_tier].append((self._key(ts), tid))
+            for tid in sorted(self._slot_holders() - seen):
+                ts = self.tenants.get(tid)
+                if ts is not None and ts.waiting:
+                    heaps[ts.sched_tier].append((self._key(ts), tid))
             for h in heaps.values():
                 heapq.heapify(h)
             self._partial_heaps = heaps
@@ -711,8 +763,14 @@ class SchedulingCore:
                     heapq.heappush(heap, (current, tid))
                     continue
             head = self._head(ts)
-            if head is None or not head.running:
-                continue  # no partial prefill left: its waiting head needs a slot, and there is none
+            if head is None:
+                continue
+            if not head.running:
+                # no partial prefill left: its waiting head needs a slot, held for it or none
+                if tid in self._slot_holders() and self.admissible(head):
+                    return head
+                self._out.add(tid)
+                continue
             if self.executor.prefill_room(head.handle, self._alloc.get(head.request_id, 0)) > 0:
                 return head
             self._out.add(tid)
@@ -753,6 +811,33 @@ class SchedulingCore:
             arrival = {ts.tenant_id: ts.waiting[0].arrival for ts in tenants}
             for tid in self.policy.order([ts.tenant_id for ts in tenants], arrival):
                 yield from list(self.tenants[tid].waiting)
+
+    def first_waiting_head(self, tier: str) -> Entry | None:
+        """The first of `projected_heads(tier)` (the waiting head the core would admit first in
+        the tier, memory aside), or None. For VTC-like policies it is read off the tier's candidate
+        heap (the smallest counter among tenants with a waiting request: the few entries popped on
+        the way, partial-only tenants and stale entries, are put back or dropped), not by keying
+        every tenant of the tier."""
+        if not (self._lazy and not self._key_uses_arrival) or self._dirty:
+            return next(self.projected_heads(tier), None)
+        heap, kept, found = self._heaps[tier], [], None
+        while heap:
+            entry = heapq.heappop(heap)
+            key, ver, tid = entry
+            ts = self.tenants[tid]
+            if ver != ts.ver:
+                continue  # stale for good
+            current = self._key(ts)
+            if current > key:
+                heapq.heappush(heap, (current, ver, tid))
+                continue
+            kept.append(entry)
+            if ts.waiting:
+                found = ts.waiting[0]
+                break
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        return found
 
     def _key_with(self, ts: TenantState, k: int, ahead_units: float) -> tuple:
         key = self.policy.key(ts.tenant_id, ts.waiting[k].arrival)

@@ -22,7 +22,19 @@ contended then is the iteration itself (its time grows with its tokens). The con
   within a tier goes by the fairness policy, as always.
 
 The weight-3 tenant of the example above then gets 3 decode tokens per iteration for every one of the
-weight-1 tenant's, and the interactive tier's iterations stay short. The price is throughput: a
+weight-1 tenant's, and the interactive tier's iterations stay short.
+
+The tier rule, on by default (`lower_tier_token_target` L, EngineConfig / `--lower-tier-token-target`,
+default 4): strict priority covers the iteration's time too. While a higher tier has work (decodes
+or pending prefill), or had some in the last `tier_grace_iterations` (64) iterations, the tiers below
+it together take at most L tokens of the iteration (decodes first, then prefill, in tier order),
+except a tier owed its minimum share, which is served as if no limit were set (its share comes first,
+so the minimum-share guarantee of `worker.scheduling.tiers` is untouched). The higher tier keeps all
+of its decodes and prefill. Without it an interactive request's first token waits for the iteration
+in flight and then its own, both swollen by a background flood's 60-odd decodes (4.8x its solo TTFT
+p99 in the simulator's `tiers` workload); the grace keeps an interactive arrival after a short idle
+spell from meeting such an iteration. Its price is the lower tiers' throughput while a higher tier
+is active (docs/fairness.md, "Tiers", with figures). The price is throughput: a
 contended iteration is held at T tokens instead of every runnable one, and the skipped requests keep
 their KV blocks while they wait (figures in docs/fairness.md).
 
@@ -35,6 +47,10 @@ import math
 from typing import Mapping
 
 from worker.scheduling.policy import TIERS
+
+DEFAULT_LOWER_TIER_TOKEN_TARGET = 4
+DEFAULT_TIER_GRACE_ITERATIONS = 64
+RANK = {name: i for i, name in enumerate(TIERS)}
 
 
 def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity: int) -> dict[str, int]:
@@ -90,6 +106,20 @@ def split_by_tier(demand_by_tier: Mapping[str, int], tier_order: list[str], min_
     return give
 
 
+def _shares(core, work: Mapping[str, int], demand: Mapping[str, int], cap: int) -> dict[str, int]:
+    """Tokens per tier out of the iteration token target `cap`: each lower tier owed its minimum
+    share first keeps `ceil(m_k·cap)` of its decodes (only while owed: its deficit keeps the share
+    over time, and a floor every iteration would round 5 % of a small target up to a whole token;
+    only decodes, since prefill it could not fit must not take decode slots away), then strict
+    priority over `work` (decodes and prefill per tier)."""
+    floors = split_by_tier({k: demand[k] for k in TIERS}, list(TIERS),
+                           {k: m for k, m in core.tiers.min_share.items() if core.tiers.owed(k)}, cap,
+                           floors_only=True)
+    tokens = split_by_tier({k: max(0, work[k] - floors[k]) for k in TIERS}, list(TIERS), {},
+                           cap - sum(floors.values()))
+    return {k: tokens[k] + floors[k] for k in TIERS}
+
+
 def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]:
     """Which decodes run and how many prefill tokens may follow, out of `budget` tokens, for the
     scheduling core `core` (`SchedulingCore.plan_iteration` calls it).
@@ -105,49 +135,70 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
     (admission order) and the prefill budget (None: whatever the decodes leave of `budget`);
     the prefill round then also keeps each tier to the prefill tokens planned for it."""
     cap = core.iteration_token_target
+    low_cap = core.lower_tier_token_target
     core._tier_prefill_cap = None
-    tenants = {e.tenant_id for e in decoding}
-    contended = len(tenants) > 1 or any(
-        t not in tenants for tier in TIERS for t in core._pending[tier]) if cap < budget else False
-    if not contended:
+    contended = tiered = False
+    if cap < budget:
+        tenants = {e.tenant_id for e in decoding}
+        contended = len(tenants) > 1 or any(t not in tenants for tier in TIERS for t in core._pending[tier])
+    per_tier: dict[str, list] = {t: [] for t in TIERS}
+    if low_cap is not None and low_cap < budget or contended:
+        for e in decoding:
+            per_tier[e.tenant.sched_tier].append(e)
+        if low_cap is not None and low_cap < budget:
+            # a higher tier's iteration: lower-tier work while a higher tier has work now or had
+            # some in the last `tier_grace_iterations` (so that its next arrival does not find an
+            # iteration swollen by the lower tiers in flight); never when tier-blind (one tier)
+            last, now = core._tier_last_work, core.iteration
+            working = [t for t in TIERS if per_tier[t] or core._pending[t]]
+            for t in working:
+                last[t] = now
+            lead = next((t for t in TIERS if t in last and now - last[t] <= core.tier_grace_iterations), None)
+            tiered = lead is not None and bool(working) and RANK[working[-1]] > RANK[lead]
+    if not contended and not tiered:
         for e in decoding:
             e.last_decode = core.iteration
         return decoding, None
-    by_tier: dict[str, dict[str, list]] = {}
-    for e in decoding:
-        by_tier.setdefault(e.tenant.sched_tier, {}).setdefault(e.tenant_id, []).append(e)
-    demand = {t: sum(len(v) for v in by_tier.get(t, {}).values()) for t in TIERS}
+    demand = {t: len(per_tier[t]) for t in TIERS}
     prefill = {t: core.prefill_demand(t, budget) for t in TIERS}
     # the top tier with work keeps all of its prefill (an interactive prompt is not held back);
     # the decodes and every other tier's prefill share the target
-    top = next((t for t in TIERS if demand[t] or prefill[t]), TIERS[0])
+    top = lead if tiered else next((t for t in TIERS if demand[t] or prefill[t]), TIERS[0])
     work = {t: demand[t] + (prefill[t] if t != top else 0) for t in TIERS}
-    if sum(work.values()) <= cap:
+    # lower tiers held to the lower-tier target: those below the top tier with work and not owed
+    # their minimum share (an owed tier is served as if no target were set: its share comes first)
+    held = [t for t in TIERS if tiered and RANK[t] > RANK[top] and work[t] and not core.tiers.owed(t)]
+    over_cap = contended and sum(work.values()) > cap
+    over_low = bool(held) and sum(work[t] for t in held) > low_cap
+    if not over_cap and not over_low:
         for e in decoding:
             e.last_decode = core.iteration
         return decoding, None
-    # a lower tier's floor: only while it is owed its minimum share (its deficit keeps the share
-    # over time; a floor every iteration would round 5 % of a small target up to a whole token),
-    # and only for decodes it has (prefill it could not fit must not take decode slots away)
-    floors = split_by_tier({k: demand[k] for k in TIERS}, list(TIERS),
-                           {k: m for k, m in core.tiers.min_share.items() if core.tiers.owed(k)}, cap,
-                           floors_only=True)
-    tokens = split_by_tier({k: max(0, work[k] - floors[k]) for k in TIERS}, list(TIERS), {},
-                           cap - sum(floors.values()))
-    tokens = {k: tokens[k] + floors[k] for k in TIERS}
+    tokens = _shares(core, work, demand, cap) if over_cap else dict(work)
+    if over_low:
+        low = split_by_tier({k: work[k] for k in held}, held, {}, low_cap)
+        tokens.update({k: min(tokens[k], low[k]) for k in held})
     chosen: set[int] = set()
     caps: dict[str, int] = {}
     for tier in TIERS:
         n = tokens.get(tier, 0)
         d = min(demand[tier], n)
         caps[tier] = prefill[tier] if tier == top else max(0, min(prefill[tier], n - d))
-        tenant_entries = by_tier.get(tier, {})
+        if d >= demand[tier]:  # every decode of the tier runs
+            chosen.update(map(id, per_tier[tier]))
+            continue
+        tenant_entries: dict[str, list] = {}
+        for e in per_tier[tier]:
+            tenant_entries.setdefault(e.tenant_id, []).append(e)
         slots = water_fill({t: len(v) for t, v in tenant_entries.items()},
                            {t: core.tenants[t].weight for t in tenant_entries}, d)
         for t, entries in tenant_entries.items():
-            entries.sort(key=lambda e: (e.last_decode, e.order))
-            chosen.update(id(e) for e in entries[:slots[t]])
-    out = [e for e in decoding if id(e) in chosen]
+            if slots[t] >= len(entries):
+                chosen.update(map(id, entries))
+            elif slots[t] > 0:
+                entries.sort(key=lambda e: (e.last_decode, e.order))
+                chosen.update(id(e) for e in entries[:slots[t]])
+    out = [e for e in decoding if id(e) in chosen]  # admission order
     for e in out:
         e.last_decode = core.iteration
     core._tier_prefill_cap = caps

@@ -35,6 +35,7 @@ left: the scheduler's definition of backlogged; running decodes do not count).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -65,6 +66,77 @@ class TenantAccount:
     lift: float = 0.0
 
 
+class BacklogIndex:
+    """Per tier: how many tenants are backlogged and the smallest virtual counter among them, kept
+    as changes happen so that a VTC lift and an idle tenant cost O(log tenants), not a scan of
+    every account (what made the lift linear in tenants).
+
+    A lazy min-heap per tier of (counter, tenant id). Each backlogged tenant has one *current*
+    entry (`_low[tid]`, the counter it was pushed with), at most its counter now: a charge only
+    raises the counter, so the entry stays valid and is re-keyed when it reaches the top; a counter
+    that falls (a VTC-pred refund) gets a new current entry at once. Entries that are not current
+    are dropped when they reach the top; the heap is rebuilt when stale entries outnumber live ones
+    four to one. accounts: the policy's tenant id -> `TenantAccount` (read, never written).
+    """
+
+    def __init__(self, accounts: dict[str, "TenantAccount"]) -> None:
+        self.accounts = accounts
+        self.count: dict[str, int] = {t: 0 for t in TIERS}
+        self._heaps: dict[str, list] = {t: [] for t in TIERS}
+        self._low: dict[str, float] = {}
+        self._tier: dict[str, str] = {}
+
+    def add(self, acct: "TenantAccount") -> None:
+        """`acct` became backlogged (in its tier)."""
+        self.count[acct.tier] = self.count.get(acct.tier, 0) + 1
+        self._tier[acct.tenant_id] = acct.tier
+        self._push(acct)
+
+    def remove(self, acct: "TenantAccount") -> None:
+        """`acct` stopped being backlogged."""
+        tier = self._tier.pop(acct.tenant_id, None)
+        if tier is not None:
+            self.count[tier] -= 1
+            self._low.pop(acct.tenant_id, None)
+
+    def changed(self, acct: "TenantAccount") -> None:
+        """`acct`'s counter or tier may have changed."""
+        tier = self._tier.get(acct.tenant_id)
+        if tier is None:
+            return
+        if tier != acct.tier:
+            self.remove(acct)
+            self.add(acct)
+        elif acct.virtual_counter < self._low[acct.tenant_id]:
+            self._push(acct)
+
+    def _push(self, acct: "TenantAccount") -> None:
+        self._low[acct.tenant_id] = c = acct.virtual_counter
+        heap = self._heaps.setdefault(acct.tier, [])
+        heapq.heappush(heap, (c, acct.tenant_id))
+        if len(heap) > 4 * self.count[acct.tier] + 64:
+            live = [(self._low[t], t) for t, tier in self._tier.items() if tier == acct.tier]
+            heapq.heapify(live)
+            self._heaps[acct.tier] = live
+
+    def min_counter(self, tier: str) -> float | None:
+        """The smallest virtual counter among the backlogged tenants of `tier` (None: none)."""
+        heap = self._heaps.get(tier)
+        accounts, low = self.accounts, self._low
+        while heap:
+            c, tid = heap[0]
+            if low.get(tid) != c or self._tier.get(tid) != tier:
+                heapq.heappop(heap)  # not the tenant's current entry, or it left the tier
+                continue
+            now = accounts[tid].virtual_counter
+            if now > c:  # charged since: re-key it
+                low[tid] = now
+                heapq.heapreplace(heap, (now, tid))
+                continue
+            return c
+        return None
+
+
 class SchedulingPolicy:
     """Base class: tenant accounts, charging and backlog tracking shared by all policies.
 
@@ -79,6 +151,7 @@ class SchedulingPolicy:
         # per tier: counter value of the last tenant of that tier to leave the backlogged set
         self._last_counter_by_tier: dict[str, float] = {}
         self._listeners: list = []
+        self.backlog = BacklogIndex(self.accounts)
 
     def subscribe(self, listener) -> None:
         """Call `listener(account, units)` after every charge (`units` service units) and after
@@ -87,6 +160,8 @@ class SchedulingPolicy:
         self._listeners.append(listener)
 
     def _changed(self, acct: TenantAccount, units: float = 0.0) -> None:
+        if acct.backlogged:
+            self.backlog.changed(acct)
         for listener in self._listeners:
             listener(acct, units)
 
@@ -106,6 +181,8 @@ class SchedulingPolicy:
             if tier not in TIERS:
                 raise ValueError(f"tenant {tenant_id!r}: unknown tier {tier!r}")
             acct.tier = tier
+            if acct.backlogged:
+                self.backlog.changed(acct)
         return acct
 
     def backlogged(self) -> list[TenantAccount]:
@@ -124,6 +201,7 @@ class SchedulingPolicy:
         if not acct.backlogged:
             self._lift(acct)
             acct.backlogged = True
+            self.backlog.add(acct)
             self._changed(acct)
 
     def on_idle(self, tenant_id: str) -> None:
@@ -131,7 +209,8 @@ class SchedulingPolicy:
         acct = self.accounts.get(tenant_id)
         if acct is not None and acct.backlogged:
             acct.backlogged = False
-            if not any(a.backlogged and a.tier == acct.tier for a in self.accounts.values()):
+            self.backlog.remove(acct)
+            if not self.backlog.count.get(acct.tier, 0):
                 self._last_counter_by_tier[acct.tier] = acct.virtual_counter
 
     def on_admit(self, tenant_id: str, request_id: str, prompt_tokens: int, max_tokens: int) -> None:
@@ -171,6 +250,9 @@ class SchedulingPolicy:
     # reaches the top of its heap, instead of at every charge). Lifts, refunds and head changes are
     # announced through `subscribe` and re-keyed at once.
     key_rises_with_charges = False
+    # Whether `key` reads `head_arrival` (FCFS); a policy whose key does not (VTC: the counter)
+    # saves the core from finding the tenant's head each time it re-keys the tenant.
+    key_uses_arrival = True
 
     def key(self, tenant_id: str, head_arrival: float) -> tuple | None:
         """A sort key that ranks this tenant among candidates of its tier (smallest first), or None
@@ -217,6 +299,7 @@ class VTCPolicy(SchedulingPolicy):
 
     name = "vtc"
     key_rises_with_charges = True  # Δc / w >= 0 (VTC-pred: only what exceeds the prediction)
+    key_uses_arrival = False       # (virtual counter, tenant id)
 
     def __init__(self, cost: CostFunction | None = None) -> None:
         super().__init__(cost)
@@ -234,7 +317,13 @@ class VTCPolicy(SchedulingPolicy):
 
     def pool_lift_floor(self, tenant_id: str, tier: str) -> float:
         """Counter a tenant becoming pool-backlogged is lifted to: the smallest counter among the
-        other tenants of `tier` backlogged here or elsewhere, else the last counter seen."""
+        other tenants of `tier` backlogged here or elsewhere, else the last counter seen. Without
+        pool input (nobody backlogged elsewhere) and for a tenant not backlogged itself, the
+        smallest counter comes from the backlog index in O(log tenants)."""
+        acct = self.accounts.get(tenant_id)
+        if not self._elsewhere and (acct is None or not acct.backlogged):
+            low = self.backlog.min_counter(tier)
+            return low if low is not None else self._last_counter_by_tier.get(tier, 0.0)
         others = [a.virtual_counter for a in self.accounts.values()
                   if a.tenant_id != tenant_id and a.tier == tier and (a.backlogged or a.tenant_id in self._elsewhere)]
         others += [row[0] for t, row in self._shadow.items() if t != tenant_id and row[2] == tier and t in self._elsewhere]

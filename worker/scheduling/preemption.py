@@ -30,7 +30,7 @@ first and carried out only when the plan makes the room.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from worker.scheduling import ledger as L
 from worker.scheduling.tiers import RANK
@@ -59,21 +59,56 @@ class RoomMaker:
 
     def victim(self, requester: "Entry | None") -> "Entry":
         """Out of blocks (for `requester`'s next token, or a stall when None): the request to
-        preempt (possibly the requester itself)."""
+        preempt (possibly the requester itself): the first of `victims_in_order`."""
+        return next(self.victims_in_order(requester=requester))
+
+    def victims_in_order(self, running: "Iterable[Entry] | None" = None, requester: "Entry | None" = None,
+                         reason: str = "out-of-blocks") -> "Iterator[Entry]":
+        """The running requests in the order to preempt them, first victim first: the one victim
+        rule of every executor (the reference engine's out-of-blocks and tier preemptions, the SGLang
+        plugin's decode retraction order, `ScheduleBatch._get_decode_retraction_order`).
+
+        running: the candidates, in admission order (default: every running request of the core);
+        requester: whose room is made (None: nobody in particular, e.g. SGLang's decode batch as a
+        whole). reason: `out-of-blocks` (and `stall`): the candidates `may_take` allows for the
+        requester, then the requester itself last; `tier`: only candidates of tiers strictly below
+        the requester's that `may_take` allows (never the requester). Order: the lowest tier first;
+        within it, with KV quotas, the tenant furthest over its soft quota (recomputed as its
+        requests are taken); then requests not admitted through a memory reservation before those
+        that were; then the newest admission. Lazy: the first victim costs one pass over the
+        candidates. Raises StopIteration at once when there is nobody (no candidate, no requester).
+        """
         core = self.core
+        pool = list(core.running.values() if running is None else running)
         req_tier = requester.tenant.sched_tier if requester is not None else None
-        pool = [e for e in core.running.values() if self.may_take(req_tier, e)]
-        if not pool:
-            return requester if requester is not None else next(reversed(core.running.values()))
-        lowest = max(RANK[e.tenant.sched_tier] for e in pool)
-        pool = [e for e in pool if RANK[e.tenant.sched_tier] == lowest]
-        if core.quota is not None:
-            tenant = core.quota.pick_victim_tenant(self.held_by_tenant(pool, reclaimable=True))
-            if tenant is not None:
-                e = self._latest_with_blocks(pool, tenant)
-                if e is not None:
-                    return e
-        return next((e for e in reversed(pool) if not e.protected), pool[-1])
+        if reason == "tier":
+            pool = [e for e in pool if e is not requester and RANK[e.tenant.sched_tier] > RANK[req_tier]
+                    and self.may_take(req_tier, e)]
+        else:
+            pool = [e for e in pool if self.may_take(req_tier, e)]
+        if core.quota is None:  # a fixed order: one sort
+            ranked = sorted(enumerate(pool), key=lambda ie: (-RANK[ie[1].tenant.sched_tier], ie[1].protected, -ie[0]))
+            for _, e in ranked:
+                yield e
+                if e is requester:
+                    return
+            pool = []
+        while pool:  # with KV quotas the tenant furthest over its quota changes as requests go
+            lowest = max(RANK[e.tenant.sched_tier] for e in pool)
+            tier_pool = [e for e in pool if RANK[e.tenant.sched_tier] == lowest]
+            e = None
+            if core.quota is not None:
+                tenant = core.quota.pick_victim_tenant(self.held_by_tenant(tier_pool, reclaimable=True))
+                if tenant is not None:
+                    e = self._latest_with_blocks(tier_pool, tenant)
+            if e is None:
+                e = next((x for x in reversed(tier_pool) if not x.protected), tier_pool[-1])
+            yield e
+            pool = [x for x in pool if x is not e]
+            if e is requester:
+                return
+        if requester is not None and reason != "tier":
+            yield requester
 
     def _latest_with_blocks(self, pool, tenant_id: str) -> "Entry | None":
         blocks = self.core.executor.blocks_held
@@ -183,10 +218,12 @@ class RoomMaker:
                      and core.tiers.preemptible(k)]
             if not lower or not core._pending[tier]:
                 continue
-            victims = sorted((e for e in core.running.values() if e.tenant.sched_tier in lower and not e.for_share),
-                             key=lambda e: (RANK[e.tenant.sched_tier], not e.protected, e.order))
-            if not victims:
+            candidates = [e for e in core.running.values() if e.tenant.sched_tier in lower and not e.for_share]
+            if not candidates:
                 continue
+            # the victim rule's order (lowest tier, over-quota tenant, unreserved, newest first),
+            # taken lazily as victims are needed
+            victims = _Lookahead(self.victims_in_order(candidates, None))
             budget = core.chunk_tokens
             planned_slots = planned_blocks = 0  # taken by the heads before this one that fit as it is
             for head in core.projected_heads(tier):
@@ -202,7 +239,7 @@ class RoomMaker:
                     continue
                 plan, freed = [], 0
                 while not self._room_for(head, need + planned_blocks, freed, len(plan) - planned_slots) and victims:
-                    v = victims.pop()   # lowest tier, then newest admission (reserved ones last)
+                    v = victims.take()   # lowest tier, then newest admission (reserved ones last)
                     plan.append(v)
                     freed += self._freed(v)
                 if not self._room_for(head, need + planned_blocks, freed, len(plan) - planned_slots):
@@ -219,7 +256,7 @@ class RoomMaker:
         owed = core.tiers.owed_tiers()
         if not owed:
             return
-        head = next(core.projected_heads(owed[0]), None)
+        head = core.first_waiting_head(owed[0])
         if head is None:
             return  # its work is running prefills: the round serves them first
         need = core.executor.admission_need(head.handle)
@@ -313,3 +350,18 @@ class RoomMaker:
             ret.preemptions += 1
         core.ledger.hold(L.RETURNING, ts.tenant_id, None, 1, need)
         return True
+
+
+class _Lookahead:
+    """An iterator that can say whether it has a next item (truthy while it does); `take()` returns it."""
+
+    def __init__(self, it: Iterator) -> None:
+        self._it = it
+        self._next = next(it, None)
+
+    def __bool__(self) -> bool:
+        return self._next is not None
+
+    def take(self):
+        item, self._next = self._next, next(self._it, None)
+        return item

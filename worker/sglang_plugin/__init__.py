@@ -19,8 +19,12 @@ Configuration (environment, inherited by SGLang's spawned processes):
   order kept) or `off` (no hooks at all).
 - `FAIRSHARE_SGLANG_ALPHA` / `_BETA` / `_CACHED_RATE`: the linear cost `α·P + β·O` (defaults 1, 2,
   0; DESIGN.md "Service unit").
-- `FAIRSHARE_SGLANG_KV_QUOTAS`: JSON `{"tenant": tokens}`, soft KV quotas used by the retraction
-  order (default: each tenant's weighted share of what the decode batch holds).
+- `FAIRSHARE_SGLANG_KV_QUOTA`: JSON of the reference worker's KV quota settings
+  (`worker.scheduling.quota.KVQuotaConfig` fields: `enabled`, `watermark`, `headroom`,
+  `shared_buffer`, `hard_cap`, `soft`, `hard`; fractions of SGLang's KV pool); unset: off.
+  `fairshare worker --engine sglang --kv-quota ...` sets it from the same `--kv-*` flags.
+- `FAIRSHARE_SGLANG_TIERS`: JSON `{"scheduling": true, "min_shares": {"batch": 0.05, ...}}`, the
+  `--tier-scheduling` / `--tier-min-share` flags (default: on, 5 % per lower tier).
 - `FAIRSHARE_SGLANG_SECRET`: the HMAC secret of tenant tokens (`worker.sglang_plugin.tenant`);
   `fairshare worker --engine sglang` creates it before starting SGLang.
 """
@@ -35,13 +39,16 @@ import sys
 log = logging.getLogger("fairshare.sglang_plugin")
 
 POLICY_ENV = "FAIRSHARE_SGLANG_POLICY"
+QUOTA_ENV = "FAIRSHARE_SGLANG_KV_QUOTA"
+TIERS_ENV = "FAIRSHARE_SGLANG_TIERS"
 _registered = False
 
 
-def state_from_env(environ=None, retraction_base=None):
+def state_from_env(environ=None):
     """Build a `FairShareState` from the environment (see the module docstring). Raises ValueError
     on a bad setting."""
     from worker.scheduling.cost import LinearCost
+    from worker.scheduling.quota import KVQuotaConfig
     from worker.sglang_plugin.state import FairShareState
     from worker.sglang_plugin.tenant import SECRET_ENV
 
@@ -49,11 +56,39 @@ def state_from_env(environ=None, retraction_base=None):
     policy = env.get(POLICY_ENV, "vtc") or "vtc"
     cost = LinearCost(float(env.get("FAIRSHARE_SGLANG_ALPHA", 1.0)), float(env.get("FAIRSHARE_SGLANG_BETA", 2.0)),
                       float(env.get("FAIRSHARE_SGLANG_CACHED_RATE", 0.0)))
-    quotas = json.loads(env.get("FAIRSHARE_SGLANG_KV_QUOTAS") or "{}")
-    if not isinstance(quotas, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in quotas.values()):
-        raise ValueError("FAIRSHARE_SGLANG_KV_QUOTAS must be a JSON object of positive token counts")
-    return FairShareState(policy, cost, secret=env.get(SECRET_ENV) or None, kv_quotas=quotas,
-                          retraction_base=retraction_base)
+    if env.get("FAIRSHARE_SGLANG_KV_QUOTAS"):
+        raise ValueError("FAIRSHARE_SGLANG_KV_QUOTAS (soft quotas in tokens) is gone: set FAIRSHARE_SGLANG_KV_QUOTA "
+                         "(the worker's --kv-* settings) instead")
+    quota = None
+    raw = env.get(QUOTA_ENV)
+    if raw:
+        fields = json.loads(raw)
+        if not isinstance(fields, dict):
+            raise ValueError(f"{QUOTA_ENV} must be a JSON object of KVQuotaConfig fields")
+        try:
+            quota = KVQuotaConfig(**fields)
+        except TypeError as exc:
+            raise ValueError(f"{QUOTA_ENV}: {exc}") from None
+    tiers = json.loads(env.get(TIERS_ENV) or "{}")
+    if not isinstance(tiers, dict) or set(tiers) - {"scheduling", "min_shares"}:
+        raise ValueError(f'{TIERS_ENV} must be a JSON object {{"scheduling": bool, "min_shares": {{tier: frac}}}}')
+    return FairShareState(policy, cost, secret=env.get(SECRET_ENV) or None, kv_quota=quota,
+                          tier_min_shares=tiers.get("min_shares") or {}, tier_scheduling=bool(tiers.get("scheduling", True)))
+
+
+def plugin_env(kv_quota: dict | None = None, tiers: dict | None = None) -> dict[str, str]:
+    """The environment `state_from_env` reads for the worker's KV quota and tier settings (as
+    `worker.cli.kv_quota_settings` / `tier_settings` return them)."""
+    out = {}
+    if kv_quota is not None and kv_quota.get("kv_quota"):
+        out[QUOTA_ENV] = json.dumps({"enabled": True, "watermark": kv_quota["kv_watermark"],
+                                     "headroom": kv_quota["kv_headroom"], "shared_buffer": kv_quota["kv_shared_buffer"],
+                                     "hard_cap": kv_quota["kv_hard_cap"], "soft": kv_quota["kv_soft_quotas"],
+                                     "hard": kv_quota["kv_hard_caps"]}, sort_keys=True)
+    if tiers is not None:
+        out[TIERS_ENV] = json.dumps({"scheduling": bool(tiers["tier_scheduling"]),
+                                     "min_shares": tiers["tier_min_shares"]}, sort_keys=True)
+    return out
 
 
 def register(force: bool = False) -> bool:
@@ -69,16 +104,12 @@ def register(force: bool = False) -> bool:
         return False
     if not force and "sglang.srt.managers.scheduler" not in sys.modules:
         return False  # e.g. the detokenizer process: no scheduler to hook
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from worker.sglang_plugin import hooks
 
-    # SGLang's own order, captured before the REPLACE hook is applied; used within each tenant.
-    original = ScheduleBatch.__dict__["_get_decode_retraction_order"]
-    original = getattr(original, "__func__", original)
     try:
-        state = state_from_env(retraction_base=original)
+        state = state_from_env()
     except ValueError as exc:
         # SGLang's load_plugins() logs and ignores a plugin's exceptions, which would silently
         # serve without fairness: stop the process instead (the engine then fails to start).

@@ -18,7 +18,8 @@ Targets (SGLang 0.5.23):
 | `sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class(self) -> type` | REPLACE | `FairSharePrefillAdder`: admits exactly the plan (tokens per request), skips the rest, parks the chunk |
 | `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; planned admissions SGLang refused go back to the core's queue; retire requests aborted while waiting |
 | `sglang.srt.managers.scheduler.Scheduler.process_batch_result(self, batch, result)` | AFTER | charge output tokens as `output_ids` grow; retire finished requests |
-| `sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod) | REPLACE | retraction order: over-quota tenants first |
+| `sglang.srt.managers.scheduler.Scheduler.get_internal_state(self, recv_req) -> GetInternalStateReqOutput` | AFTER | add the scheduler's FairShare figures (`internal_state["fairshare"]`) |
+| `sglang.srt.managers.schedule_batch.ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod) | REPLACE | retraction order: the core's victim rule (`RoomMaker.victims_in_order`: lowest tier, over-quota tenant, newest admission) |
 """
 
 from __future__ import annotations
@@ -172,6 +173,18 @@ def after_process_batch_result(result, *args, **kwargs):
     return None
 
 
+def after_get_internal_state(result, *args, **kwargs):
+    """AFTER `Scheduler.get_internal_state(self, recv_req) -> GetInternalStateReqOutput`: the
+    scheduler's FairShare figures (`FairShareState.engine_snapshot`) under
+    `internal_state["fairshare"]`, which the worker reads through
+    `tokenizer_manager.get_internal_state()` and exports under the reference worker's names."""
+    state = _state
+    internal = getattr(result, "internal_state", None)
+    if state is not None and isinstance(internal, dict):
+        internal["fairshare"] = state.engine_snapshot()
+    return None
+
+
 def replace_decode_retraction_order(reqs):
     """REPLACE `ScheduleBatch._get_decode_retraction_order(reqs) -> List[int]` (staticmethod)."""
     state = _state
@@ -238,6 +251,8 @@ HOOKS: tuple[Hook, ...] = (
          (("self", ...),)),
     Hook(f"{SCHEDULER}.process_batch_result", "AFTER", after_process_batch_result,
          (("self", ...), ("batch", ...), ("result", ...))),
+    Hook(f"{SCHEDULER}.get_internal_state", "AFTER", after_get_internal_state,
+         (("self", ...), ("recv_req", ...))),
     Hook(f"{SCHEDULE_BATCH}._get_decode_retraction_order", "REPLACE", replace_decode_retraction_order,
          (("reqs", ...),), static=True),
 )

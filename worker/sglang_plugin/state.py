@@ -24,17 +24,27 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 from worker.scheduling.core import OUT_OF_BLOCKS, SchedulingCore
 from worker.scheduling.cost import CostFunction, LinearCost
 from worker.scheduling.policy import SchedulingPolicy, make_policy
+from worker.scheduling.quota import KVQuota, KVQuotaConfig
+from worker.scheduling.tiers import TierShares, validate_min_shares
 from worker.sglang_plugin import tenant as tenant_mod
 from worker.sglang_plugin.tenant import TenantTag
 
 log = logging.getLogger("fairshare.sglang_plugin")
 
 TAG_ATTR = "fairshare_tag"
+
+
+def _clip_max_new_tokens() -> int:
+    """SGLang's `schedule_policy.CLIP_MAX_NEW_TOKENS` (its env `SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`,
+    default 4096), read the same way without importing SGLang."""
+    import os
+
+    return int(os.environ.get("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "4096"))
 
 
 @dataclass
@@ -69,25 +79,29 @@ class FairShareState:
     policy: a policy name for `make_policy` (`vtc`, `vtc-pred`, `drr`, `fcfs`) or a
     `SchedulingPolicy`. cost: the cost function (default `LinearCost()`; ignored when a policy
     object is given). secret: HMAC secret for tenant tokens (None: every request is unverified).
-    kv_quotas: soft KV quota per tenant, in tokens, read by the retraction order; tenants without
-    one get their weighted share of the tokens the decode batch holds. retraction_base: SGLang's
-    own retraction order (`reqs -> keep-first indices`), used inside each tenant; None: longest
-    output kept first. returning: returning-tenant preemption (default: every policy but FCFS, as
-    the reference engine builds it). max_skips: memory skips before a reservation.
+    kv_quota: the reference worker's KV quota settings (`KVQuotaConfig`: soft quotas, hard caps,
+    watermark, headroom, in fractions of SGLang's KV pool; None or disabled: off), enforced by the
+    core's admission and victim rules. tier_min_shares / tier_scheduling: the tiers' minimum
+    shares of service and strict priority (`TierShares`, as `fairshare worker` flags them).
+    returning: returning-tenant preemption (default: every policy but FCFS, as the reference
+    engine builds it). max_skips: memory skips before a reservation.
     """
 
     def __init__(self, policy: str | SchedulingPolicy = "vtc", cost: CostFunction | None = None, *,
-                 secret: str | None = None, kv_quotas: dict[str, float] | None = None,
-                 retraction_base: Callable[[list], list[int]] | None = None, returning: bool | None = None,
-                 max_skips: int = 8, **policy_options) -> None:
+                 secret: str | None = None, kv_quota: KVQuotaConfig | None = None,
+                 tier_min_shares: dict[str, float] | None = None, tier_scheduling: bool = True,
+                 returning: bool | None = None, max_skips: int = 8, **policy_options) -> None:
         if isinstance(policy, SchedulingPolicy):
             self.policy = policy
         else:
             self.policy = make_policy(policy, cost or LinearCost(), **policy_options)
         self.cost = self.policy.cost
         self.secret = secret
-        self.kv_quotas = dict(kv_quotas or {})
-        self.retraction_base = retraction_base
+        if kv_quota is not None:
+            kv_quota.validate()
+        self.kv_quota = kv_quota if kv_quota is not None and kv_quota.enabled else None
+        self.tier_min_shares = validate_min_shares(tier_min_shares or {})
+        self.tier_scheduling = tier_scheduling
         self.returning = self.policy.name != "fcfs" if returning is None else returning
         self.max_skips = max_skips
         self.tracked: dict[str, TrackedRequest] = {}
@@ -123,9 +137,12 @@ class FairShareState:
                 total, slots = 1 << 40, 1 << 20
             # SGLang admits whole requests and truncates only the last one (sglang-backend.md
             # "cannot" 1): the core picks at that granularity, a slice = the chunk
+            quota = KVQuota(self.kv_quota, total) if self.kv_quota is not None else None
+            tiers = TierShares(self.tier_min_shares, floor_units=self.cost.max_prefill_rate * chunk / 2,
+                               enabled=self.tier_scheduling)
             self._core = SchedulingCore(self.policy, self.cost, self, total_blocks=total, max_running=slots,
                                         chunk_tokens=chunk, prefill_slice=chunk, max_skips=self.max_skips,
-                                        returning=self.returning)
+                                        quota=quota, returning=self.returning, tiers=tiers)
         return self._core
 
     def bind(self, scheduler) -> None:
@@ -153,8 +170,38 @@ class FairShareState:
         return int(getattr(kv, "kv_committed_len", 0) or 0) if kv is not None else int(getattr(req, "extend_end", 0) or 0)
 
     def admission_need(self, req) -> int:
-        """Pages a waiting request takes to finish its prefill (its prompt and outputs so far)."""
+        """Pages a waiting request takes from SGLang's prefill budget to be admitted whole: its
+        prompt and outputs so far, plus what `PrefillAdder.add_one_req` reserves beside them (its
+        remaining new tokens, clipped at `CLIP_MAX_NEW_TOKENS`, and one page of overhead). Unbound:
+        its prompt and outputs only."""
         return self._pages(self._total(req))
+
+    @staticmethod
+    def _new_tokens_left(req) -> int:
+        params = getattr(req, "sampling_params", None)
+        max_new = int(getattr(params, "max_new_tokens", 0) or 0)
+        return max(0, min(max_new - len(req.output_ids), _clip_max_new_tokens()))
+
+    def decode_reserve(self) -> int:
+        """Tokens SGLang's `PrefillAdder.__init__` holds back from admissions for the running batch
+        (`memory_budget.total_offset`): each running request's remaining new tokens (clipped) times
+        `new_token_ratio` (1 for `ignore_eos`), plus one token per decode riding along with mixed
+        chunked prefill. The core is told the free room less this, so it plans only admissions
+        SGLang's adder carries out (docs/sglang-backend.md "cannot" 4)."""
+        s = self.scheduler
+        batch = self._batch if self._batch is not None else getattr(s, "running_batch", None)
+        reqs = list(getattr(batch, "reqs", None) or ())
+        if not reqs:
+            return 0
+        tracker = getattr(s, "new_token_ratio_tracker", None)
+        ratio = float(getattr(tracker, "current", 1.0)) if tracker is not None else 1.0
+        total = 0.0
+        for r in reqs:
+            r_ratio = 1.0 if getattr(r.sampling_params, "ignore_eos", False) else ratio
+            total += self._new_tokens_left(r) * r_ratio
+        if getattr(s, "is_mixed_chunk", False):
+            total += len(reqs)
+        return int(-(-total // 1))
 
     def blocks_held(self, req) -> int:
         kv = getattr(req, "kv", None)
@@ -168,13 +215,27 @@ class FairShareState:
         return n if n > 1 else 0
 
     def prefill_room(self, req, have: int) -> int:
-        return (self.blocks_held(req) + self.free_blocks()) * self.page_size - self._computed(req) - have
+        """Tokens a running prefill can take this pass: its pages and the free room less SGLang's
+        decode reserve, as `PrefillAdder.add_chunked_req` limits a continued chunk; when that is
+        used up, what the pool physically has (SGLang continues a chunk regardless, so that it
+        finishes and frees its KV: `PrefillBudget.available_chunk_tokens`)."""
+        held, computed, page = self.blocks_held(req), self._computed(req), self.page_size
+        room = (held + self.free_blocks()) * page - computed - have
+        if room <= 0 and have == 0 and self.scheduler is not None:
+            room = (held + self._physical_free() // page) * page - computed
+        return room
+
+    def _physical_free(self) -> int:
+        s = self.scheduler
+        return int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())
 
     def free_blocks(self) -> int:
-        s = self.scheduler
-        if s is None:
+        """Pages an admission can get now as SGLang's prefill budget counts them: free plus evictable,
+        less the decode reserve for the running batch (`decode_reserve`) and one token (SGLang
+        admits while a request's tokens are strictly below the budget). Unbound: the whole pool."""
+        if self.scheduler is None:
             return self.core.ledger.total_blocks
-        return (int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())) // self.page_size
+        return max(0, self._physical_free() - self.decode_reserve() - 1) // self.page_size
 
     def preempt(self, req) -> None:
         """Carry out the core's recompute preemption with SGLang's own functions (as
@@ -473,42 +534,66 @@ class FairShareState:
 
     # ---- retraction -------------------------------------------------------------------------
     def retraction_order(self, reqs: list) -> list[int]:
-        """Indices of `reqs` from most- to least-preferred to keep (SGLang retracts from the end).
-
-        Over-quota first: the next request to retract is taken from the tenant furthest over its
-        soft KV quota (held tokens / quota, recomputed as requests are taken away; ties by tenant
-        id), and within that tenant it is the one SGLang itself would retract first. So a tenant
-        within its quota loses nothing while an over-quota tenant still holds decoding requests.
-        Held tokens: prompt plus output tokens of each request. Quota: `kv_quotas[tenant]` tokens,
-        else the tenant's weighted share of all tokens held by the batch.
-        """
-        if not reqs:
-            return []
-        base = list(self.retraction_base(reqs)) if self.retraction_base else sorted(
-            range(len(reqs)), key=lambda i: (len(reqs[i].output_ids), -len(reqs[i].origin_input_ids)), reverse=True)
-        groups: dict[str, list[int]] = {}
-        weights: dict[str, float] = {}
-        held: dict[str, float] = {}
-        size = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
-        for i in base:
-            tag = self.tag_of(reqs[i])
-            groups.setdefault(tag.tenant_id, []).append(i)
-            weights[tag.tenant_id] = tag.weight
-            held[tag.tenant_id] = held.get(tag.tenant_id, 0) + size[i]
-        total = sum(held.values())
-        wsum = sum(weights.values())
-        quota = {t: max(1e-9, float(self.kv_quotas.get(t, total * weights[t] / wsum))) for t in groups}
-        retract_first: list[int] = []
-        while groups:
-            t = max(groups, key=lambda u: (held[u] / quota[u], u))
-            i = groups[t].pop()
-            retract_first.append(i)
-            held[t] -= size[i]
-            if not groups[t]:
-                del groups[t]
-        return retract_first[::-1]
+        """Indices of `reqs` from most- to least-preferred to keep (SGLang's
+        `ScheduleBatch.retract_decode` retracts from the end): the scheduling core's victim rule,
+        the reference engine's own (`RoomMaker.victims_in_order`, reason out of blocks, for nobody
+        in particular: the whole decode batch needs room). So the first request retracted is the
+        core's first victim: the lowest tier (of those it may take), with KV quotas the tenant
+        furthest over its soft quota, requests admitted without a memory reservation before those
+        admitted with one, then the newest admission. Requests the core does not hold as running
+        (none in a consistent run) are kept first, in SGLang's order."""
+        core = self.core
+        at: dict[int, int] = {}
+        entries = []
+        unknown = []
+        for i, req in enumerate(reqs):
+            e = core.entries.get(getattr(req, "rid", None))
+            if e is not None and e.running and id(e) not in at:
+                at[id(e)] = i
+                entries.append(e)
+            else:
+                unknown.append(i)
+        entries.sort(key=lambda e: e.order)
+        victims = [at[id(e)] for e in core.room.victims_in_order(entries, None, OUT_OF_BLOCKS)]
+        return unknown + victims[::-1]
 
     # ---- introspection ----------------------------------------------------------------------
+    def engine_snapshot(self) -> dict:
+        """The scheduler's figures in the reference engine's `Engine.snapshot()` shape (what
+        `worker.metrics.EngineCollector` exports): waiting / running requests, KV pages used and
+        total, tokens in flight, iterations, preemptions by reason, the core's tier table, and per
+        tenant its weight, tier, virtual counter, service, tokens, queue, running requests, KV pages
+        held, finished requests, preemptions, quota waits (and the quota's figures with KV quotas).
+        Plain numbers, strings and dicts only (SGLang sends it across processes with msgpack)."""
+        core = self.core
+        blocks: dict[str, int] = {}
+        for e in core.running.values():
+            blocks[e.tenant_id] = blocks.get(e.tenant_id, 0) + self.blocks_held(e.handle)
+        tenants = []
+        for tid, acct in sorted(self.policy.accounts.items()):
+            ts = core.tenants.get(tid)
+            t = {"tenant_id": tid, "weight": acct.weight, "tier": acct.tier,
+                 "virtual_counter": acct.virtual_counter, "charged_service": acct.charged_service,
+                 "prompt_tokens": acct.prompt_tokens, "output_tokens": acct.output_tokens,
+                 "waiting": len(ts.waiting) if ts is not None else 0,
+                 "running": len(ts.running) if ts is not None else 0, "kv_blocks": blocks.get(tid, 0),
+                 "finished": self.finished.get(tid, 0), "preemptions": core.stats.preemptions_by_tenant.get(tid, 0),
+                 "retractions": self.retractions.get(tid, 0), "quota_waits": core.stats.quota_waits.get(tid, 0),
+                 "backlogged": acct.backlogged}
+            if core.quota is not None:
+                t.update(core.quota.state(tid, blocks.get(tid, 0)))
+            tenants.append(t)
+        total = core.ledger.total_blocks
+        used = total - self._physical_free() // self.page_size if self.scheduler is not None else 0
+        return {"waiting": core.num_waiting(), "running": len(core.running), "kv_blocks_used": max(0, used),
+                "kv_blocks_total": total, "kv_block_size": self.page_size, "tenants": tenants,
+                "policy": self.policy.name, "iterations": core.stats.iterations,
+                "inflight_tokens": sum(max(0, tr.prompt_len + tr.max_new_tokens - tr.outputs_charged)
+                                       for tr in self.tracked.values()),
+                "kv_quota": core.quota is not None, "preemptions_by_reason": dict(core.stats.preemptions),
+                "tier_scheduling": core.tiers.enabled, "tiers": core.tier_snapshot(),
+                "plan_refusals": self.plan_refusals}
+
     def snapshot(self) -> dict:
         """Per-tenant counters (for logs and tests)."""
         out = {}

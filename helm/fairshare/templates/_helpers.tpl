@@ -164,9 +164,6 @@ else one new random key. */}}
 {{- end -}}
 {{- end -}}
 {{- $q := .Values.worker.kvQuota -}}
-{{- if and $q.enabled (ne .Values.worker.engine "reference") -}}
-{{- fail "worker.kvQuota applies to the reference engine; the SGLang plugin reads FAIRSHARE_SGLANG_KV_QUOTAS (worker.extraEnv)" -}}
-{{- end -}}
 {{- if and $q.enabled (ge (addf (float64 (default 0 $q.headroom)) (float64 (default 0 $q.sharedBuffer))) 1.0) -}}
 {{- fail "worker.kvQuota: headroom + sharedBuffer must be < 1" -}}
 {{- end -}}
@@ -177,7 +174,7 @@ else one new random key. */}}
 {{- end -}}
 {{- end -}}
 
-{{/* Whether workers serve Prometheus metrics (the reference engine's --metrics-port). */}}
+{{/* Whether workers serve Prometheus metrics (--metrics-port; both engines). */}}
 {{- define "fairshare.worker.metrics" -}}
-{{- if and .Values.worker.metrics.enabled (eq .Values.worker.engine "reference") -}}true{{- end -}}
+{{- if .Values.worker.metrics.enabled -}}true{{- end -}}
 {{- end -}}
