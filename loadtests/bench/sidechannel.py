@@ -1,7 +1,7 @@
 """Prefix-cache timing side channel (case CI2): can a tenant tell from TTFT what another tenant's
 prompts were?
 
-    python -m loadtests.bench.sidechannel [--pairs 200] [--prefix-tokens 256] [--suffix-tokens 32]
+    python -m loadtests.bench.sidechannel [--pairs 300] [--prefix-tokens 256] [--suffix-tokens 32]
                                     [--arms unsafe,namespaced,floor] [--floor 0.25] [--seed 0]
                                     [--addr HOST:PORT --label NAME]   (probe a running worker instead)
 
@@ -10,15 +10,18 @@ as a subprocess per arm unless `--addr` is given), in rounds of `batch` pairs:
 
 1. the victim tenant sends `batch` prompts, each a fresh random *prefix* (`prefix_tokens`) plus a
    victim suffix, and waits for them to finish (their KV blocks now sit in the radix cache);
-2. the attacker tenant sends `2·batch` probes one at a time, in a random order: for each victim
-   prompt a *shared* probe (that prompt's prefix + a fresh attacker suffix) and a *control* probe
-   (fresh random tokens, the same length); `max_tokens = 1`, so TTFT is almost all prefill.
+2. the attacker tenant sends `batch` *pairs* of probes one at a time, the pairs in a random order:
+   for each victim prompt a *shared* probe (that prompt's prefix + a fresh attacker suffix) and a
+   *control* probe (fresh random tokens, the same length), back to back, which of the two goes
+   first drawn by a fair coin; `max_tokens = 1`, so TTFT is almost all prefill. The two probes of a
+   pair see the same machine load, so a CPU hiccup slows both and cancels in the comparison.
 
 The attacker never hits its own cache: every prefix is used by exactly one shared probe, every
 control is fresh, and each probe carries a fresh `cache_salt` as well. TTFT is the attacker's
 view: from sending the call to the first `GenerateResponse` carrying tokens. The statistics
-(`loadtests.bench.sidechannel_stats`): ROC AUC of a threshold on TTFT (shared = positive) and the best
-threshold's balanced accuracy. Arms: `unsafe` (the worker's experiment-only `--unsafe-global-cache`:
+(`loadtests.bench.sidechannel_stats`): the paired AUC (the fraction of pairs whose shared probe came
+back first, ties 1/2; the verdict's statistic), the pooled ROC AUC of a threshold on TTFT over all
+probes and the best threshold's balanced accuracy (for the record). Arms: `unsafe` (the worker's experiment-only `--unsafe-global-cache`:
 one global namespace; the leak must show, AUC near 1), `namespaced` (the default; AUC near 0.5),
 `floor` (unsafe cache with a TTFT floor for the interactive tier: the floor masks the timing).
 Timings are printed, never asserted, except in tests/integration/test_case_ci2_*, whose bounds
@@ -52,12 +55,12 @@ ARMS: dict[str, tuple[str, list[str]]] = {
 
 @dataclass(frozen=True)
 class ProbeConfig:
-    """Experiment size. pairs: shared probes (= control probes). prefix_tokens: tokens a shared
+    """Experiment size. pairs: probe pairs (one shared + one control each). prefix_tokens: tokens a shared
     probe has in common with a victim prompt. suffix_tokens: tokens after the prefix (victim prompts
     and probes alike). batch: victim prompts per round. warmup: probes sent and discarded first.
     seed: of the token and order draws."""
 
-    pairs: int = 200
+    pairs: int = 300
     prefix_tokens: int = 256
     suffix_tokens: int = 32
     batch: int = 20
@@ -144,14 +147,16 @@ def probe_worker(addr: str, label: str, cfg: ProbeConfig = ProbeConfig(), victim
             prefixes = [fresh(cfg.prefix_tokens) for _ in range(n)]
             list(pool.map(lambda p: timed_generate(stub, _request(victim, p + fresh(cfg.suffix_tokens)), signer=signer),
                           prefixes))
-            probes = [("shared", p + fresh(cfg.suffix_tokens)) for p in prefixes]
-            probes += [("control", fresh(length)) for _ in range(n)]
-            rng.shuffle(probes)
-            for kind, prompt in probes:
-                ttft, hit, at_worker = timed_generate(stub, _request(attacker, prompt, uuid.uuid4().hex), signer=signer)
-                (shared if kind == "shared" else control).append(ttft)
-                worker_side[kind].append(at_worker)
-                cached[kind] += hit
+            rng.shuffle(prefixes)
+            for prefix in prefixes:  # one pair: the shared probe and its control, back to back
+                pair = [("shared", prefix + fresh(cfg.suffix_tokens)), ("control", fresh(length))]
+                rng.shuffle(pair)   # which goes first is a fair coin, so order cannot favour a class
+                for kind, prompt in pair:
+                    ttft, hit, at_worker = timed_generate(stub, _request(attacker, prompt, uuid.uuid4().hex),
+                                                          signer=signer)
+                    (shared if kind == "shared" else control).append(ttft)
+                    worker_side[kind].append(at_worker)
+                    cached[kind] += hit
             done += n
     return analyse(label, shared, control, cached["shared"] / len(shared), cached["control"] / len(control),
                    worker_shared=worker_side["shared"], worker_control=worker_side["control"])
@@ -202,14 +207,14 @@ def run_arm(arm: str, cfg: ProbeConfig, floor_s: float = 0.25, threads: int | No
 def setup_line(cfg: ProbeConfig) -> str:
     return (f"CI2 timing side channel: random-tiny worker over gRPC; victim prompts = {cfg.prefix_tokens}-token "
             f"random prefix + {cfg.suffix_tokens}; attacker probes {cfg.prefix_tokens + cfg.suffix_tokens} tokens, "
-            f"max_tokens 1, fresh cache_salt each; {cfg.pairs} shared + {cfg.pairs} control, shuffled in rounds "
-            f"of {cfg.batch}; TTFT = client send -> first token (ms)")
+            f"max_tokens 1, fresh cache_salt each; {cfg.pairs} pairs (shared + control back to back, coin-flip order), "
+            f"shuffled in rounds of {cfg.batch}; TTFT = client send -> first token (ms)")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point (`python -m loadtests.bench.sidechannel`); prints the report, returns 0."""
     p = argparse.ArgumentParser(prog="python -m loadtests.bench.sidechannel", description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=200, help="shared probes (and as many controls) per arm")
+    p.add_argument("--pairs", type=int, default=300, help="probe pairs (a shared probe + its control) per arm")
     p.add_argument("--prefix-tokens", type=int, default=256)
     p.add_argument("--suffix-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=20, help="victim prompts per round")

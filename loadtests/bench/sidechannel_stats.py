@@ -14,6 +14,19 @@ AUC = 0.5: TTFT says nothing about the other tenant's cache; 1.0: it reveals it 
 Under the null hypothesis (both samples from one distribution, no ties) U has standard deviation
 sqrt(n1·n2·(n1+n2+1)/12), so the AUC's is sqrt((n1+n2+1)/(12·n1·n2)) (≈ 0.029 for 200 + 200).
 
+The experiment's verdict uses the *paired* form (`paired_auc`): probes are sent in pairs, a shared
+probe and its same-length control back to back in a random order, so both see the same machine
+load, and the statistic compares each shared probe with its own control only:
+
+    paired AUC = (1/n) · Σ_i ( 1[TTFT_shared,i < TTFT_control,i] + 1/2 · 1[equal] )
+
+the AUC restricted to the n matched (positive, negative) pairs: the chance that an attacker shown
+one pair picks the shared probe as the faster one (the sign test's statistic; Dixon & Mood, JASA
+1946). Load that slows a moment slows both probes of the pair, so it cancels, where in the pooled
+AUC a probe sent during a hiccup is compared with every probe sent in quiet moments. Under no leak
+the order within a pair is a fair coin and both probes are alike, so each pair is a Bernoulli(1/2)
+trial: mean 0.5, standard deviation 0.5/sqrt(n) (≈ 0.029 for 300 pairs).
+
 Pure Python, no torch or grpc: the driver (`loadtests/bench/sidechannel.py`) collects the samples over
 gRPC and hands them to `analyse`.
 """
@@ -53,6 +66,24 @@ def roc_auc(positives: Sequence[float], negatives: Sequence[float]) -> float:
     return u_neg / (n1 * n2)
 
 
+def paired_auc(positives: Sequence[float], negatives: Sequence[float]) -> float:
+    """Paired AUC (module docstring): the fraction of pairs i with positives[i] < negatives[i], ties
+    counting 1/2. positives[i] and negatives[i] are the scores (TTFT, seconds) of the i-th pair's
+    shared and control probe. Raises ValueError when empty or of unequal length."""
+    if not positives or len(positives) != len(negatives):
+        raise ValueError("paired_auc needs two non-empty samples of equal length (one entry per pair)")
+    return sum((float(p) < float(n)) + 0.5 * (float(p) == float(n))
+               for p, n in zip(positives, negatives)) / len(positives)
+
+
+def paired_auc_null_std(n: int) -> float:
+    """Standard deviation of `paired_auc` over `n` pairs when there is no leak (each pair a fair
+    coin): 0.5/sqrt(n). Raises ValueError when n <= 0."""
+    if n <= 0:
+        raise ValueError("need at least one pair")
+    return 0.5 / math.sqrt(n)
+
+
 def auc_null_std(n1: int, n2: int) -> float:
     """Standard deviation of the AUC when both classes share one continuous distribution:
     sqrt((n1 + n2 + 1) / (12·n1·n2)). Raises ValueError when a class is empty."""
@@ -89,11 +120,13 @@ class SideChannelResult:
     """One arm of the experiment.
 
     label: the worker's cache mode (e.g. "unsafe global cache"). shared / control: probe TTFTs,
-    seconds (client-measured: call sent -> first response carrying tokens). auc: `roc_auc(shared,
-    control)`. null_std: `auc_null_std`. threshold_s / threshold_accuracy: `best_threshold`.
-    shared_cached / control_cached: mean prompt tokens the worker reported as cached per probe
-    (usage.cached_prompt_tokens), for the record. worker_auc: the same AUC over the TTFTs the worker
-    itself reported (arrival at the worker -> first token), None when not measured.
+    seconds (client-measured: call sent -> first response carrying tokens), shared[i] and control[i]
+    sent back to back as pair i. auc: `paired_auc(shared, control)`, the verdict's statistic.
+    null_std: `paired_auc_null_std`. pooled_auc: `roc_auc(shared, control)` over all probes, for the
+    record. threshold_s / threshold_accuracy: `best_threshold` over all probes. shared_cached /
+    control_cached: mean prompt tokens the worker reported as cached per probe
+    (usage.cached_prompt_tokens), for the record. worker_auc: the paired AUC over the TTFTs the
+    worker itself reported (arrival at the worker -> first token), None when not measured.
     """
 
     label: str
@@ -106,6 +139,7 @@ class SideChannelResult:
     shared_cached: float = 0.0
     control_cached: float = 0.0
     worker_auc: float | None = None
+    pooled_auc: float | None = None
 
     @property
     def z(self) -> float:
@@ -116,7 +150,8 @@ class SideChannelResult:
         """One line of the report table (see `format_report`)."""
         return (f"{self.label:<34} {len(self.shared):>4}+{len(self.control):<4} "
                 f"{statistics.median(self.shared) * 1e3:>9.1f} {statistics.median(self.control) * 1e3:>9.1f} "
-                f"{self.auc:>6.3f} {self.z:>+6.1f} {self.threshold_accuracy:>6.3f} "
+                f"{self.auc:>6.3f} {self.z:>+6.1f} "
+                f"{'-' if self.pooled_auc is None else format(self.pooled_auc, '.3f'):>6} {self.threshold_accuracy:>6.3f} "
                 f"{self.shared_cached:>7.1f} {self.control_cached:>7.1f} "
                 f"{'-' if self.worker_auc is None else format(self.worker_auc, '.3f'):>6}")
 
@@ -124,27 +159,30 @@ class SideChannelResult:
 def analyse(label: str, shared: Sequence[float], control: Sequence[float], shared_cached: float = 0.0,
             control_cached: float = 0.0, worker_shared: Sequence[float] = (),
             worker_control: Sequence[float] = ()) -> SideChannelResult:
-    """Build a `SideChannelResult` from the two TTFT samples (seconds), and optionally the
-    worker-reported TTFTs of the same probes. Raises ValueError when a class is empty."""
+    """Build a `SideChannelResult` from the two TTFT samples (seconds; shared[i] and control[i] are
+    pair i), and optionally the worker-reported TTFTs of the same probes, paired alike. Raises
+    ValueError when a class is empty or the classes differ in length."""
     t, acc = best_threshold(shared, control)
-    worker_auc = roc_auc(worker_shared, worker_control) if worker_shared and worker_control else None
-    return SideChannelResult(label, tuple(shared), tuple(control), roc_auc(shared, control),
-                             auc_null_std(len(shared), len(control)), t, acc, shared_cached, control_cached,
-                             worker_auc)
+    worker_auc = paired_auc(worker_shared, worker_control) if worker_shared and worker_control else None
+    return SideChannelResult(label, tuple(shared), tuple(control), paired_auc(shared, control),
+                             paired_auc_null_std(len(shared)), t, acc, shared_cached, control_cached,
+                             worker_auc, roc_auc(shared, control))
 
 
-REPORT_HEADER = (f"{'worker cache mode':<34} {'n':>9} {'p50 shr':>9} {'p50 ctl':>9} {'AUC':>6} {'z':>6} "
+REPORT_HEADER = (f"{'worker cache mode':<34} {'n':>9} {'p50 shr':>9} {'p50 ctl':>9} {'AUC':>6} {'z':>6} {'pooled':>6} "
                  f"{'thrAcc':>6} {'cch shr':>7} {'cch ctl':>7} {'AUC@w':>6}")
 
 
 def format_report(results: Sequence[SideChannelResult], setup: str = "") -> str:
     """The printed report: one row per arm. Columns: probes shared+control, median TTFT of each
-    class (ms), AUC, its z-score against chance, best threshold balanced accuracy, mean cached prompt
-    tokens per probe reported by the worker for each class, AUC over the worker-reported TTFTs."""
+    class (ms), paired AUC, its z-score against chance, pooled AUC (every shared probe against every
+    control), best threshold balanced accuracy, mean cached prompt tokens per probe reported by the
+    worker for each class, paired AUC over the worker-reported TTFTs."""
     lines = []
     if setup:
         lines.append(setup)
     lines.append(REPORT_HEADER)
     lines.extend(r.row() for r in results)
-    lines.append("AUC = P(TTFT shared < TTFT control), ties 1/2 (Mann-Whitney U / n1 n2); 0.5 = chance.")
+    lines.append("AUC = P(TTFT shared < TTFT of its paired control), ties 1/2, over the back-to-back pairs; "
+                 "pooled = the same over all shared x control (Mann-Whitney U / n1 n2); 0.5 = chance.")
     return "\n".join(lines)

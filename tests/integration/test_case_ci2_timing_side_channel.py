@@ -1,28 +1,32 @@
 """Case CI2 (../shared/cases/cache-isolation.md): a tenant probing TTFT with prompts that share a
-prefix with another tenant's recent prompts learns nothing: a threshold classifier on the probe's
-TTFT does no better than chance.
+prefix with another tenant's recent prompts learns nothing: comparing a probe's TTFT with a
+control's does no better than chance.
 
 Real worker subprocesses (random-tiny) over real gRPC; protocol in loadtests/bench/sidechannel.py: the
-victim sends fresh random prefixes (+32 tokens), the attacker then sends, in random order, one
-probe per victim prefix (that prefix + its own 32 tokens) and as many same-length controls; every
-probe is fresh for the attacker (and carries a fresh cache_salt), so it can never hit its own
-cache. Prefixes are 512 tokens in the unsafe arm (a wide gap, so that CPU hiccups on a loaded
-2-core machine cannot blur a real leak below the bound) and 256 in the namespaced arm (cheaper
-probes, hence 200 + 200 of them in the time budget).
-The statistic is the ROC AUC of "TTFT below a threshold ⇒ shared" (Mann–Whitney U / n1·n2, ties
-1/2; loadtests/bench/sidechannel_stats.py):
+victim sends fresh random prefixes (+32 tokens), the attacker then sends, one pair per victim
+prefix, a probe (that prefix + its own 32 tokens) and a same-length control *back to back*, which
+goes first a fair coin, the pairs in random order; every probe is fresh for the attacker (and
+carries a fresh cache_salt), so it can never hit its own cache. Prefixes are 512 tokens in the
+unsafe arm (a wide gap) and 256 in the namespaced arm (cheaper probes, hence 300 pairs of them).
+
+The statistic, the same in both arms, is the paired AUC (loadtests/bench/sidechannel_stats.py):
+the fraction of pairs whose shared probe came back first, ties 1/2, i.e. the ROC AUC restricted
+to each probe and its own control. Both probes of a pair see the same machine load, so a CPU
+hiccup slows both and cancels; the earlier pooled AUC (every probe against every control) let a
+probe sent during a hiccup lose to every control sent in a quiet moment, and read 0.843 for a real
+leak under a full-suite load of ~30 on 2 cores.
 
 - with the worker's experiment-only `--unsafe-global-cache` (one namespace for everybody) the
-  leak must be visible: AUC > 0.9. This proves the experiment can see one;
-- with namespaces on (the default) AUC must lie in [0.4, 0.6]. With 200 + 200 probes the AUC's
-  standard deviation under no leak is about 0.029, so the band is about ±3.5σ: not flaky on a
-  noisy machine, yet a real leak (AUC near 1) cannot pass.
+  leak must be visible: paired AUC > 0.9. This proves the experiment can see one;
+- with namespaces on (the default) it must lie in [0.4, 0.6]. Under no leak each pair is a fair
+  coin (both probes alike, the order drawn at random), so over 300 pairs the paired AUC has
+  standard deviation 0.5/sqrt(300) ≈ 0.029 whatever the load: the band is about ±3.5σ, not flaky
+  on a noisy machine, yet a real leak (paired AUC near 1, as the unsafe arm shows) cannot pass.
 
-The bounds are on a rank statistic of the two classes measured in the same run, interleaved, not
-on wall-clock values, so a slow or loaded machine moves both classes alike. The worker's own
-report of cached prompt tokens is checked as well (the mechanism: hits in the unsafe arm, none
-for the attacker with namespaces). The report (samples, median TTFT per class, AUC) is printed;
-`python -m loadtests.bench.sidechannel` prints the same one, and also the arm with a TTFT floor.
+The worker's own report of cached prompt tokens is checked as well (the mechanism: hits in the
+unsafe arm, none for the attacker with namespaces). The report (samples, median TTFT per class,
+paired and pooled AUC) is printed; `python -m loadtests.bench.sidechannel` prints the same one, and
+also the arm with a TTFT floor.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from loadtests.bench.sidechannel import ProbeConfig, probe_worker, setup_line, s
 from loadtests.bench.sidechannel_stats import format_report
 
 UNSAFE = ProbeConfig(pairs=80, prefix_tokens=512, suffix_tokens=32, batch=20, seed=1)
-NAMESPACED = ProbeConfig(pairs=200, prefix_tokens=256, suffix_tokens=32, batch=20, seed=2)
+NAMESPACED = ProbeConfig(pairs=300, prefix_tokens=256, suffix_tokens=32, batch=20, seed=2)
 
 
 @pytest.fixture(scope="module")
