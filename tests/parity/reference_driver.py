@@ -4,7 +4,9 @@ What is real: the `Scheduler` (per-tenant queues, the fairness policy's picks, a
 eligibility, preemption, charging of prefill), its `BlockManager` (KV blocks) and the policy
 objects of `worker.scheduling`, built the way `worker.engine.engine.Engine` builds them (its
 defaults: 16-token prefill slices, 8 skips before a reservation, returning-tenant preemption for
-every policy but FCFS; no prefix cache, no KV quotas).
+every policy but FCFS; no prefix cache, no KV quotas), except the lower-tier token target, off
+here: SGLang decodes every running request each step, so that rule cannot be carried out there
+(docs/sglang-backend.md) and parity compares the decisions both executors can make.
 
 What is simulated: the model. Each scheduled chunk is taken as computed; a sequence whose
 prefill or decode reached its last token commits one output token, charged as the engine charges
@@ -32,12 +34,13 @@ OUTPUT_TOKEN = 7  # what the fake model emits (the same in the SGLang driver)
 class ReferenceDriver(ScriptedDriver):
     """The reference scheduler on `workload.engine`'s shape under `policy` (`vtc`, `vtc-pred`,
     `drr`, `fcfs`), with the engine's defaults (`prefill_slice`, `max_skips`,
-    `returning_preemption`) unless overridden. Cost: `LinearCost(alpha, beta)` (the engine's
+    `returning_preemption`) unless overridden, and no lower-tier token target (None; the engine's
+    default is `DEFAULT_LOWER_TIER_TOKEN_TARGET`, a rule SGLang cannot carry out). Cost: `LinearCost(alpha, beta)` (the engine's
     defaults 1, 2; the SGLang plugin's too)."""
 
     def __init__(self, workload: ScriptedWorkload, policy: str = "vtc", *, alpha: float = 1.0, beta: float = 2.0,
                  prefill_slice: int = 16, max_skips: int = 8, returning_preemption: bool | None = None,
-                 drr_quantum: float = 512.0) -> None:
+                 drr_quantum: float = 512.0, lower_tier_token_target: int | None = None) -> None:
         super().__init__(workload, f"reference/{policy}")
         shape = workload.engine
         self.cost = LinearCost(alpha, beta)
@@ -48,7 +51,8 @@ class ReferenceDriver(ScriptedDriver):
             returning_preemption = policy != "fcfs"  # as Engine builds it
         self.scheduler = Scheduler(self.policy, self.cost, self.blocks, shape.chunk_tokens, shape.max_running,
                                    prefill_slice=prefill_slice, max_skips=max_skips,
-                                   returning_preemption=returning_preemption, clock=lambda: float(self.iteration))
+                                   returning_preemption=returning_preemption, clock=lambda: float(self.iteration),
+                                   lower_tier_token_target=lower_tier_token_target)
         self.seqs: dict[str, Sequence] = {}
 
     def _arrive(self, iteration: int) -> None:
