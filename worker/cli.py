@@ -53,31 +53,21 @@ from worker.pool_service import add_pool_arguments, worker_id_of
 from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
 
 
-def _positive(kind):
-    """argparse type: an int or float (`kind`) > 0 (a finite one); ArgumentTypeError otherwise, so a
-    bad size is a one-line usage error (exit 2) instead of a traceback from the engine."""
+def _positive(kind, zero_ok: bool = False):
+    """argparse type: an int or float (`kind`) > 0 (>= 0 with `zero_ok`; a finite one);
+    ArgumentTypeError otherwise, so a bad size is a one-line usage error (exit 2) instead of a
+    traceback from the engine."""
 
     def parse(text: str):
         try:
             x = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if not 0 < x < float("inf"):
-            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        if not ((0 <= x) if zero_ok else (0 < x)) or not x < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text} is not {'>=' if zero_ok else '>'} 0")
         return x
 
     return parse
-
-
-def _non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (ArgumentTypeError otherwise: a one-line usage error)."""
-    try:
-        x = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if x < 0:
-        raise argparse.ArgumentTypeError(f"{text} is not >= 0")
-    return x
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +193,7 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--iteration-token-target", type=_positive(int), default=None, metavar="N",
                    help="tokens per iteration with more than one tenant's work, shared by tier and weight "
                         "(default: --max-num-batched-tokens, i.e. nothing changes)")
-    g.add_argument("--lower-tier-token-target", type=_non_negative_int, default=DEFAULT_LOWER_TIER_TOKEN_TARGET,
+    g.add_argument("--lower-tier-token-target", type=_positive(int, zero_ok=True), default=DEFAULT_LOWER_TIER_TOKEN_TARGET,
                    metavar="N", help="tokens per iteration the lower tiers together may take (decodes and prefill) "
                    "while a higher tier has work, unless owed their minimum share; keeps the interactive tier's "
                    f"iterations short (default {DEFAULT_LOWER_TIER_TOKEN_TARGET}; 0: no limit)")
