@@ -48,6 +48,8 @@ class Benchmark:
     quota: list[tuple[Workload, dict, dict]] = field(default_factory=list)
     # priority-tier workloads, each run solo / tiers / tiers + iteration target / tier-blind / FCFS
     tiers: list[tuple[Workload, list]] = field(default_factory=list)
+    # the same workloads' defaults over several seeds (`tier_report.across_seeds`), by workload name
+    tier_seeds: dict[str, list] = field(default_factory=dict)
     pool: object | None = None  # loadtests.reports.pool.PoolBench, when the pool section is run
 
 
@@ -61,11 +63,13 @@ def resolve_rate_scale(rate_scale: str | float, time_model: IterationTimeModel, 
 
 def run_benchmark(workloads: list[Workload], policies: list[str], time_model: IterationTimeModel, *, seed: int = 0,
                   rate_scale: str | float = "auto", progress=None, quota_workloads: list[Workload] = (),
-                  tier_workloads: list[Workload] = (), **engine_overrides) -> Benchmark:
+                  tier_workloads: list[Workload] = (), tier_seeds: int = len(tier_report.SEEDS),
+                  **engine_overrides) -> Benchmark:
     """Simulate every workload under every policy (and each returning tenant alone), then each of
     `quota_workloads` under the first policy with KV quotas off and on (`loadtests.reports.quota`),
     then each of `tier_workloads` with and without tiers (`loadtests.reports.tiers`), at the same
-    seed and rate scale."""
+    seed and rate scale, and the worker's defaults on them over `tier_seeds` seeds from `seed` on
+    (`across_seeds`; 1: only `seed`)."""
     scale, cap = resolve_rate_scale(rate_scale, time_model, **engine_overrides)
     bench = Benchmark(time_model, scale, cap, seed, list(policies), engine_overrides=dict(engine_overrides))
     for w in workloads:
@@ -96,6 +100,13 @@ def run_benchmark(workloads: list[Workload], policies: list[str], time_model: It
         if progress:
             progress(f"{w.name:<20} interactive TTFT p99 / solo: " + ", ".join(
                 f"{r['run']} {r['ratio']:.2f}x" for r in rows[1:]))
+        if tier_seeds <= 1:
+            continue
+        seeds = range(seed, seed + tier_seeds)
+        bench.tier_seeds[w.name] = tier_report.across_seeds(w, time_model, seeds, scale, first=rows, **engine_overrides)
+        if progress:
+            progress(f"{w.name:<20} the defaults over seeds {seeds.start}-{seeds.stop - 1}, p99 / solo: " + ", ".join(
+                f"{r['ratio']:.2f}x" for r in bench.tier_seeds[w.name]))
     return bench
 
 
@@ -207,6 +218,8 @@ def benchmark_lines(bench: Benchmark) -> list[str]:
                    f"{'PASS' if min(tputs) >= 0.98 else 'FAIL'}")
     for w, trows in bench.tiers:
         out += tier_report.check_lines(trows, w.name, ttft_check=w.name == "tiers")
+        if bench.tier_seeds.get(w.name):
+            out += tier_report.seed_check_lines(bench.tier_seeds[w.name], w.name, ttft_check=w.name == "tiers")
     for r in rows:
         if "returning" in r and "ttft_vtc" in r:
             out.append(f"INFO returning tenant {r['workload']}/{r['returning']}: TTFT VTC {r['ttft_vtc']:.2f} s vs "
@@ -345,7 +358,8 @@ def write_report(bench: Benchmark, out: Path, img_dir: Path, command: str = "fai
             lines += [f"Returning tenant `{w.returning_tenant}` alone: mean TTFT {wr.solo_ttft_s:.2f} s.", ""]
         lines += [tenant_table(wr, bench.policies), "", f"![{w.name}]({rel})", ""]
     for w, trows in bench.tiers:  # priority tiers: their own sections
-        lines += tier_report.section(w, trows, bench.seed, bench.rate_scale, ttft_check=w.name == "tiers")
+        lines += tier_report.section(w, trows, bench.seed, bench.rate_scale, ttft_check=w.name == "tiers",
+                                     seed_rows=bench.tier_seeds.get(w.name))
     for w, off, on in bench.quota:  # memory isolation: its own sections, not in the summary
         lines += quota_report.section(w, off, on, bench.policies[0], bench.seed, bench.rate_scale)
     if bench.pool is not None:  # a pool of workers: loadtests/reports/pool.py

@@ -550,7 +550,7 @@ def test_tier_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
     args = container(one(helm.render(), "StatefulSet", "worker"), "worker")["args"]
     assert tier_settings(parser, parser.parse_args(args)) == {  # the defaults, spelled out
         "tier_scheduling": True, "tier_min_shares": {"batch": 0.05, "background": 0.05}, "iteration_token_target": None,
-        "lower_tier_token_target": 4}
+        "lower_tier_token_target": 1}
     f = tmp_path / "tiers.yaml"
     f.write_text(yaml.safe_dump({"worker": {"tiers": {"minShares": {"batch": 0.1, "background": 0.02}},
                                             "iterationTokenTarget": 32, "lowerTierTokenTarget": 0}}))

@@ -165,20 +165,40 @@ def test_report_has_the_tiers_section_side_by_side(tmp_path):
 
     tiers = get_workload("tiers")
     bench = run_benchmark([short("overload", 30.0)], ["vtc", "fcfs"], CPU_TIME, rate_scale=0.6261,
-                          tier_workloads=[tiers])
+                          tier_workloads=[tiers], tier_seeds=2)
     (w, rows), = bench.tiers
     by = {r["run"]: r for r in rows}
     assert rows[0]["run"].startswith("solo") and rows[0]["ratio"] == 1.0
     default, unlimited = rows[1], rows[2]
-    assert default["run"] == "VTC, tiers" and default["target"] == 4 and unlimited["target"] is None
+    assert default["run"] == "VTC, tiers" and default["target"] == 1 and unlimited["target"] is None
     assert default["ratio"] <= RATIO_GOAL < unlimited["ratio"]
     assert all(r["bg_share"] >= r["min_share"] > 0 for r in rows[1:3])
     assert by["FCFS, tier-blind"]["ratio"] > 10 * default["ratio"]
     lines = benchmark_lines(bench)
     assert any(line.startswith("CHECK tiers: interactive TTFT p99") and line.endswith("PASS") for line in lines)
+    assert [r["seed"] for r in bench.tier_seeds["tiers"]] == [0, 1]
+    assert bench.tier_seeds["tiers"][0]["ratio"] == default["ratio"]  # seed 0's run reused
+    assert any(line.startswith("CHECK tiers, seeds 0-1: interactive TTFT p99 / solo p99") and line.endswith("PASS")
+               for line in lines)
     write_report(bench, tmp_path / "r.md", tmp_path / "img")
     text = (tmp_path / "r.md").read_text()
     assert "## tiers: priority tiers" in text and "| VTC, tier-blind |" in text
+    assert "| seed | interactive solo TTFT p99 s |" in text
+
+
+def test_tiers_keep_the_interactive_ttft_p99_within_goal_on_every_seed():
+    """The tiers must-show over seeds 0-4, not one lucky seed (the simulator is deterministic per
+    seed, so this asserts the same figures on every machine): with the worker's defaults the
+    interactive tenant's TTFT p99 stays within 1.5x its solo p99 on each seed, and the background
+    keeps at least its minimum share. Before the 1024-iteration grace and the one-token lower-tier
+    target (a 64-iteration grace, 4 tokens) seed 4 gave 1.61x: an interactive arrival after an idle
+    spell met a whole background iteration in flight (docs/fairness.md, "Tiers")."""
+    from loadtests.reports.tiers import RATIO_GOAL, across_seeds
+
+    rows = across_seeds("tiers", CPU_TIME, range(1, 5), rate_scale=0.6261)
+    assert [r["seed"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["ratio"] <= RATIO_GOAL for r in rows), rows
+    assert all(r["bg_share"] >= r["min_share"] > 0 for r in rows), rows
 
 
 def test_tiers_serve_an_interactive_tenant_above_its_weight_share_first():

@@ -26,12 +26,12 @@ def engine(**cfg) -> Engine:
 def test_defaults_are_the_engines_and_give_five_percent_per_lower_tier():
     s = settings()
     assert s == {"tier_scheduling": True, "tier_min_shares": {}, "iteration_token_target": None,
-                 "lower_tier_token_target": 4}
+                 "lower_tier_token_target": 1}
     cfg = EngineConfig()
     assert {k: getattr(cfg, k) for k in s} == s
     core = engine().scheduler.core
     assert core.tiers.enabled and core.tiers.min_share == {"batch": 0.05, "background": 0.05}
-    assert core.iteration_token_target == cfg.max_num_batched_tokens and core.lower_tier_token_target == 4
+    assert core.iteration_token_target == cfg.max_num_batched_tokens and core.lower_tier_token_target == 1
 
 
 def test_flags_reach_the_scheduling_core():

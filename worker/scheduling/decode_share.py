@@ -25,18 +25,30 @@ The weight-3 tenant of the example above then gets 3 decode tokens per iteration
 weight-1 tenant's, and the interactive tier's iterations stay short.
 
 The tier rule, on by default (`lower_tier_token_target` L, EngineConfig / `--lower-tier-token-target`,
-default 4): strict priority covers the iteration's time too. While a higher tier has work (decodes
-or pending prefill), or had some in the last `tier_grace_iterations` (64) iterations, the tiers below
-it together take at most L tokens of the iteration (decodes first, then prefill, in tier order),
-except a tier owed its minimum share, which is served as if no limit were set (its share comes first,
-so the minimum-share guarantee of `worker.scheduling.tiers` is untouched). The higher tier keeps all
-of its decodes and prefill. Without it an interactive request's first token waits for the iteration
-in flight and then its own, both swollen by a background flood's 60-odd decodes (4.8x its solo TTFT
-p99 in the simulator's `tiers` workload); the grace keeps an interactive arrival after a short idle
-spell from meeting such an iteration. Its price is the lower tiers' throughput while a higher tier
-is active (docs/fairness.md, "Tiers", with figures). The price is throughput: a
-contended iteration is held at T tokens instead of every runnable one, and the skipped requests keep
-their KV blocks while they wait (figures in docs/fairness.md).
+default 1): strict priority covers the iteration's time too. While a higher tier has work (decodes
+or pending prefill), or had some in the last `tier_grace_iterations` (1024) iterations, the tiers
+below it together take at most L tokens of the iteration (decodes first, then prefill, in tier
+order), except a tier owed its minimum share, which is served as if no limit were set (its share
+comes first, so the minimum-share guarantee of `worker.scheduling.tiers` is untouched). The higher
+tier keeps all of its decodes and prefill.
+
+Why: an interactive request's TTFT is the iteration in flight when it arrives plus its own prefill
+iteration (it is never queued: it is admitted in the next iteration). Without the rule both carry a
+background flood's 60-odd decodes (4.8x its solo TTFT p99 in the simulator's `tiers` workload).
+Measured per request over seeds 0-9 (docs/fairness.md, "Tiers"), what made the p99 with the rule at
+L = 4 and a 64-iteration grace was (1) the iteration in flight after the interactive tier had been
+idle for more than the grace: a full background iteration (64 decodes, or a 500-token background
+prefill: 0.10-0.20 s on the CPU time model, against 0.03 s for the interactive tier's own), and (2)
+under heavier interactive load its own iterations carrying the lower tiers' 4 tokens (2 decodes of
+up to 512 context tokens and a partial prefill: about 8 ms each), which slows its iterations, keeps
+more of its streams running at once and so slows them again. Hence a grace long enough that an
+interactive tenant which comes back within it never finds a flood-sized iteration in flight (1024
+iterations: 20-30 s at 20-30 ms per iteration; after that the lower tiers get whole iterations
+again), and L = 1 (the lower tiers keep moving, a decode at a time, and their minimum share comes
+through the owed rule). The price is the lower tiers' throughput while a higher tier is active or
+was within the grace (docs/fairness.md, "Tiers", with figures); also that of the iteration token
+target: a contended iteration is held at T tokens instead of every runnable one, and the skipped
+requests keep their KV blocks while they wait.
 
 Pure arithmetic on ids, weights and counts (no torch, no grpc).
 """
@@ -48,8 +60,8 @@ from typing import Mapping
 
 from worker.scheduling.policy import TIERS
 
-DEFAULT_LOWER_TIER_TOKEN_TARGET = 4
-DEFAULT_TIER_GRACE_ITERATIONS = 64
+DEFAULT_LOWER_TIER_TOKEN_TARGET = 1
+DEFAULT_TIER_GRACE_ITERATIONS = 1024
 RANK = {name: i for i, name in enumerate(TIERS)}
 
 
