@@ -55,6 +55,7 @@ Pure arithmetic on ids, weights and counts (no torch, no grpc).
 
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Mapping
 
@@ -74,19 +75,21 @@ def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity:
     active = sorted(t for t, d in demand.items() if d > 0)
     while left > 0 and active:
         total_w = sum(weight[t] for t in active)
-        # whole shares first, in order of the demand left per unit weight (smallest first)
+        # whole shares first, in order of the demand left per unit weight (smallest first); none
+        # when even the heaviest tenant's share is below one slot (floor(left·w/W) rises with w)
         progressed = False
-        for t in sorted(active, key=lambda u: ((demand[u] - give[u]) / weight[u], u)):
-            share = int(math.floor(left * weight[t] / total_w)) if total_w > 0 else 0
-            n = min(demand[t] - give[t], share)
-            if n > 0:
-                give[t] += n
-                progressed = True
-        left = capacity - sum(give.values())
-        active = [t for t in active if give[t] < demand[t]]
+        if total_w > 0 and math.floor(left * max(weight[t] for t in active) / total_w) > 0:
+            for t in sorted(active, key=lambda u: ((demand[u] - give[u]) / weight[u], u)):
+                share = int(math.floor(left * weight[t] / total_w))
+                n = min(demand[t] - give[t], share)
+                if n > 0:
+                    give[t] += n
+                    progressed = True
+            left = capacity - sum(give.values())
+            active = [t for t in active if give[t] < demand[t]]
         if not progressed and left > 0 and active:
             # shares below one slot each: one more to the tenants furthest below their share
-            for t in sorted(active, key=lambda u: (give[u] / weight[u], u))[:left]:
+            for t in heapq.nsmallest(left, active, key=lambda u: (give[u] / weight[u], u)):
                 give[t] += 1
             left = capacity - sum(give.values())
             active = [t for t in active if give[t] < demand[t]]
@@ -190,28 +193,39 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
     if over_low:
         low = split_by_tier({k: work[k] for k in held}, held, {}, low_cap)
         tokens.update({k: min(tokens[k], low[k]) for k in held})
-    chosen: set[int] = set()
     caps: dict[str, int] = {}
+    it = core.iteration  # every decode that runs is marked with it (`last_decode`), then collected
     for tier in TIERS:
         n = tokens.get(tier, 0)
         d = min(demand[tier], n)
         caps[tier] = prefill[tier] if tier == top else max(0, min(prefill[tier], n - d))
         if d >= demand[tier]:  # every decode of the tier runs
-            chosen.update(map(id, per_tier[tier]))
+            for e in per_tier[tier]:
+                e.last_decode = it
+            continue
+        if d <= 0:
             continue
         tenant_entries: dict[str, list] = {}
         for e in per_tier[tier]:
-            tenant_entries.setdefault(e.tenant_id, []).append(e)
+            tid = e.tenant.tenant_id
+            entries = tenant_entries.get(tid)
+            if entries is None:
+                tenant_entries[tid] = [e]
+            else:
+                entries.append(e)
         slots = water_fill({t: len(v) for t, v in tenant_entries.items()},
                            {t: core.tenants[t].weight for t in tenant_entries}, d)
         for t, entries in tenant_entries.items():
-            if slots[t] >= len(entries):
-                chosen.update(map(id, entries))
-            elif slots[t] > 0:
+            k = slots[t]
+            if k >= len(entries):
+                for e in entries:
+                    e.last_decode = it
+            elif k > 0:
+                # the requests that waited longest since their last token (entries of this tier
+                # are not marked yet: the key reads last iteration's marks)
                 entries.sort(key=lambda e: (e.last_decode, e.order))
-                chosen.update(id(e) for e in entries[:slots[t]])
-    out = [e for e in decoding if id(e) in chosen]  # admission order
-    for e in out:
-        e.last_decode = core.iteration
+                for e in entries[:k]:
+                    e.last_decode = it
+    out = [e for e in decoding if e.last_decode == it]  # admission order
     core._tier_prefill_cap = caps
     return out, max(0, min(budget - len(out), sum(caps.values())))
