@@ -36,6 +36,7 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from worker.scheduling.cost import LinearCost
+from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
 from worker.scheduling.policy import TIERS, make_policy
 
 CORE_CALLS = ("begin_iteration", "plan_iteration", "decode_victim", "begin_prefill", "next_prefill", "admit",
@@ -63,12 +64,15 @@ def _timed(core, acc: list[float]) -> None:
 
 
 def run(tenants: int, waiting: int, *, iterations: int = 300, warmup: int = 100, max_running: int = 64,
-        chunk: int = 512, policy: str = "vtc", seed: int = 0) -> dict:
+        chunk: int = 512, policy: str = "vtc", seed: int = 0,
+        lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> dict:
     """One steady state; returns {"core": [ms...], "schedule": [ms...], "preempted": n, "running": n}.
+    lower_tier_token_target: the scheduler's (None: no limit).
     The cyclic garbage collector is paused while timing (and run every 50 iterations, untimed)."""
     rng = random.Random(seed)
     bm = BlockManager(max(4096, max_running * 48), 16)
-    sched = Scheduler(make_policy(policy, LinearCost()), LinearCost(), bm, chunk, max_running)
+    sched = Scheduler(make_policy(policy, LinearCost()), LinearCost(), bm, chunk, max_running,
+                      lower_tier_token_target=lower_tier_token_target)
     core = sched.core
     acc = [0.0, 0]
     _timed(core, acc)
@@ -233,19 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="steady states per figure (seeds 0..N-1)")
     p.add_argument("--max-running", type=int, default=64)
     p.add_argument("--policy", default="vtc", choices=["vtc", "vtc-pred", "drr", "fcfs"])
+    p.add_argument("--lower-tier-token-target", type=int, default=DEFAULT_LOWER_TIER_TOKEN_TARGET, metavar="N",
+                   help=f"the worker's flag of that name (default {DEFAULT_LOWER_TIER_TOKEN_TARGET}; 0: no limit)")
     p.add_argument("--sc3", action="store_true", help="also case SC3's TTFT in seconds on the reference engine "
                    "(random-tiny): chat alone and beside 30 background streams holding every slot")
     p.add_argument("--growth", action=argparse.BooleanOptionalAction, default=True,
                    help="also print how the time grows with tenants and with waiting requests (default on)")
     args = p.parse_args(argv)
-    print(f"scheduling core, policy {args.policy}, {args.max_running} running slots, chunk 512, 3 tiers; "
+    print(f"scheduling core, policy {args.policy}, {args.max_running} running slots, chunk 512, 3 tiers, "
+          f"lower-tier token target {args.lower_tier_token_target or 'off'}; "
           f"{args.repeats} x {args.iterations} iterations after 100 of warm-up each; ms per iteration (median / p99)")
 
     def line(tenants: int, waiting: int) -> dict:
         r = {"core": [], "schedule": []}
         for seed in range(args.repeats):  # several steady states: the median of all their iterations
             one = run(tenants, waiting, iterations=args.iterations, max_running=args.max_running, policy=args.policy,
-                      seed=seed)
+                      seed=seed, lower_tier_token_target=args.lower_tier_token_target or None)
             r["core"] += one["core"]
             r["schedule"] += one["schedule"]
             r["running"], r["preempted"] = one["running"], one["preempted"]

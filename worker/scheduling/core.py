@@ -450,9 +450,9 @@ class SchedulingCore:
     def next_prefill(self) -> Entry | None:
         """The request that gets the next slice: a running partial prefill or a waiting head (which
         the executor must then `admit`). None when the budget is spent or nothing can be served."""
-        caps = self._tier_prefill_cap
+        caps, dead, pending = self._tier_prefill_cap, self._dead, self._pending
         while self._budget > 0:
-            live = [t for t in TIERS if t not in self._dead and self._pending[t] and (caps is None or caps[t] > 0)]
+            live = [t for t in TIERS if pending[t] and t not in dead and (caps is None or caps[t] > 0)]
             tier = self.tiers.pick(live)
             if tier is None:
                 return None

@@ -141,6 +141,8 @@ class TierShares:
             for k in self.owed_tiers():
                 if k in cands:
                     return k
+        if len(cands) == 1:
+            return next(iter(cands))
         return min(cands, key=RANK.__getitem__)
 
     def end_round(self) -> list[str]:
