@@ -6,7 +6,8 @@ number of tenants (worker/scheduling/core.py, policy.py): VTC's lift reads a per
 per-tier count; the lower tier owed its minimum share finds its first head on the tier's candidate
 heap; the partial-prefill heap is built from the tenants admitted with prefill to do, not from the
 running set; the "no free slot" answer is cached until a slot or a hold changes; VTC keys are
-computed without finding the tenant's head.
+computed without finding the tenant's head; the decodes an iteration keeps are marked in place and
+collected in one pass, and `water_fill` skips the whole-share pass when no share reaches one slot.
 
 Here a reference scheduler has each of those replaced by the plain scan it stands for, and the
 same random trace (tenants in random tiers and weights, arrivals, cancels, steps, pool sizes,
@@ -17,6 +18,7 @@ same chunks, preempt the same requests for the same reasons, and leave the same 
 from __future__ import annotations
 
 import heapq
+import math
 import types
 
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -25,6 +27,7 @@ from tests.unit.sched_steps import step as sched_step
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
+from worker.scheduling import decode_share
 from worker.scheduling.cost import LinearCost
 from worker.scheduling.policy import TIERS, BacklogIndex, TenantAccount, make_policy
 
@@ -69,6 +72,51 @@ def _ref_partial_heap(core, tier):
     return core._partial_heaps[tier]
 
 
+def _ref_water_fill(demand, weight, capacity):
+    """Weighted max-min water-filling, every pass made (what `decode_share.water_fill` shortcuts)."""
+    give = {t: 0 for t in demand}
+    left = max(0, int(capacity))
+    active = sorted(t for t, d in demand.items() if d > 0)
+    while left > 0 and active:
+        total_w = sum(weight[t] for t in active)
+        progressed = False
+        for t in sorted(active, key=lambda u: ((demand[u] - give[u]) / weight[u], u)):
+            share = int(math.floor(left * weight[t] / total_w)) if total_w > 0 else 0
+            n = min(demand[t] - give[t], share)
+            if n > 0:
+                give[t] += n
+                progressed = True
+        left = capacity - sum(give.values())
+        active = [t for t in active if give[t] < demand[t]]
+        if not progressed and left > 0 and active:
+            for t in sorted(active, key=lambda u: (give[u] / weight[u], u))[:left]:
+                give[t] += 1
+            left = capacity - sum(give.values())
+            active = [t for t in active if give[t] < demand[t]]
+    return give
+
+
+def _ref_plan_iteration(core, decoding, budget):
+    """`decode_share.plan_iteration` with the decodes collected through an id set and the plain
+    water-filling (the fast version marks them in place and collects them in one pass)."""
+    fast_fill = decode_share.water_fill
+    chosen = set()
+
+    def fill(demand, weight, capacity):
+        return _ref_water_fill(demand, weight, capacity)
+
+    decode_share.water_fill = fill
+    try:
+        before = {id(e): e.last_decode for e in decoding}
+        out, prefill = decode_share.plan_iteration(core, decoding, budget)
+    finally:
+        decode_share.water_fill = fast_fill
+    chosen = {id(e) for e in out}
+    assert all((before[id(e)] != core.iteration) for e in decoding), "a decode marked before its iteration"
+    assert [e for e in decoding if id(e) in chosen] == out
+    return out, prefill
+
+
 def _ref_no_slot(core):
     led = core.ledger
     return led.running + sum(h.slots for h in led.holds if h.slots > 0) >= led.max_running
@@ -85,6 +133,7 @@ def reference(sched: Scheduler) -> Scheduler:
     core._no_slot = types.MethodType(_ref_no_slot, core)
     core.first_waiting_head = lambda tier: next(core.projected_heads(tier), None)
     core._key_uses_arrival = True
+    core.plan_iteration = types.MethodType(_ref_plan_iteration, core)
     return sched
 
 
@@ -149,6 +198,19 @@ def test_fast_structures_decide_as_the_plain_scans(n_tenants, tiers, weights, bl
         assert {t: a.backlogged for t, a in fast.policy.accounts.items()} == \
                {t: a.backlogged for t, a in ref.policy.accounts.items()}
     assert not fast.has_work() and not ref.has_work()
+
+
+@settings(max_examples=300, deadline=None)
+@given(demand=st.dictionaries(st.sampled_from([f"t{i}" for i in range(12)]), st.integers(0, 9), max_size=12),
+       weights=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, 4.0]), min_size=12, max_size=12),
+       capacity=st.integers(0, 40))
+def test_water_fill_is_the_plain_water_filling(demand, weights, capacity):
+    """`water_fill`'s shortcuts (no whole-share pass when no share reaches a slot; the fractional
+    slots by tenant id while none is given) give what every pass of the plain version gives."""
+    weight = {f"t{i}": w for i, w in enumerate(weights)}
+    got = decode_share.water_fill(demand, weight, capacity)
+    assert got == _ref_water_fill(demand, weight, capacity)
+    assert sum(got.values()) == min(capacity, sum(demand.values()))
 
 
 @settings(max_examples=200, deadline=None)

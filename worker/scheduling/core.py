@@ -54,8 +54,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from worker.scheduling.cost import CostFunction
-from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_TOKEN_TARGET, DEFAULT_TIER_GRACE_ITERATIONS,
-                                             plan_iteration)
+from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                                             DEFAULT_TIER_GRACE_ITERATIONS, plan_iteration)
 from worker.scheduling.eligibility import EligibilityGate
 from worker.scheduling.ledger import KVLedger
 from worker.scheduling.policy import TIERS, SchedulingPolicy, TenantAccount
@@ -197,6 +197,7 @@ class SchedulingCore:
         self.iteration_token_target = iteration_token_target or chunk_tokens
         self.lower_tier_token_target = lower_tier_token_target
         self.tier_grace_iterations = DEFAULT_TIER_GRACE_ITERATIONS
+        self.lower_tier_idle_token_target = DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET
         self._tier_last_work: dict[str, int] = {}   # tier -> last iteration it had work (decode_share)
         self._tier_prefill_cap: dict[str, int] | None = None
         self._partial_heaps: dict[str, list] | None = None

@@ -63,6 +63,7 @@ from worker.scheduling.policy import TIERS
 
 DEFAULT_LOWER_TIER_TOKEN_TARGET = 1
 DEFAULT_TIER_GRACE_ITERATIONS = 1024
+DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET = 16
 RANK = {name: i for i, name in enumerate(TIERS)}
 
 
@@ -88,8 +89,11 @@ def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity:
             left = capacity - sum(give.values())
             active = [t for t in active if give[t] < demand[t]]
         if not progressed and left > 0 and active:
-            # shares below one slot each: one more to the tenants furthest below their share
-            for t in heapq.nsmallest(left, active, key=lambda u: (give[u] / weight[u], u)):
+            # shares below one slot each: one more to the tenants furthest below their share (none
+            # given yet: all are equally far, so by tenant id, the order `active` is in)
+            first = active[:left] if left == capacity else \
+                heapq.nsmallest(left, active, key=lambda u: (give[u] / weight[u], u))
+            for t in first:
                 give[t] += 1
             left = capacity - sum(give.values())
             active = [t for t in active if give[t] < demand[t]]
@@ -170,6 +174,10 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
                 last[t] = now
             lead = next((t for t in TIERS if t in last and now - last[t] <= core.tier_grace_iterations), None)
             tiered = lead is not None and bool(working) and RANK[working[-1]] > RANK[lead]
+            if tiered and lead not in working:
+                # the higher tier is idle (within the grace): the lower tiers' iteration is kept
+                # short enough for its next arrival, not to a trickle
+                low_cap = max(low_cap, core.lower_tier_idle_token_target)
     if not contended and not tiered:
         for e in decoding:
             e.last_decode = core.iteration
