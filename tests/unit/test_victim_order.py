@@ -14,8 +14,11 @@ from worker.scheduling.quota import KVQuota, KVQuotaConfig
 
 def running_scheduler(specs, blocks=100, quota=None):
     """A reference scheduler with `specs` [(tenant, tier)] admitted one per step, in this order, and
-    decoding."""
-    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(blocks, 16), 512, 16, quota=quota)
+    decoding. The lower-tier token target is off: at its default (one token an iteration beside a
+    higher tier) a second background prompt waits behind the first one's decodes, and the order of
+    victims, not that rule, is what these tests look at."""
+    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(blocks, 16), 512, 16, quota=quota,
+                      lower_tier_token_target=None)
     seqs = []
     for tenant, tier in specs:
         s = make_seq(tenant, 32, 64, tier=tier)
