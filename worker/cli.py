@@ -23,9 +23,9 @@ defaults); `--no-tier-scheduling` schedules every tenant in one tier (tiers are 
 `--iteration-token-target N`: an iteration with more than one tenant's work computes about N tokens,
 shared by tier and weight (default: the token budget, so nothing changes; docs/fairness.md, "When
 nobody queues").
-`--lower-tier-token-target N`: while a higher tier has work (or had some in the last 1024
-iterations), the lower tiers together take at most N tokens of an iteration (decodes and prefill),
-unless owed their minimum share (default 1; 0: no limit), so that the interactive tier's iterations stay short beside a flood (docs/fairness.md, "Tiers").
+`--lower-tier-token-target N`: while a higher tier has work, the lower tiers together take at most N
+tokens of an iteration (decodes and prefill; 16 while it is idle but had work in the last 1024
+iterations), unless owed their minimum share (default 1; 0: no limit), so that the interactive tier's iterations stay short beside a flood (docs/fairness.md, "Tiers").
 `--kv-quota` turns on per-tenant KV quotas (default off; docs/memory-isolation.md): fractions are of
 the KV pool; KEY is a tenant id or a tier (interactive, batch, background), a tenant id winning over
 its tier. The tuning flags need `--kv-quota`.

@@ -172,7 +172,10 @@ class SchedulingCore:
     slot at once (`worker.scheduling.returning`). tiers: `TierShares` (default: strict priority,
     5 % minimum shares, floor α·chunk/2). iteration_token_target: tokens per contended iteration
     beyond which they are shared by tier and weight (None: the token budget, i.e. never).
-    Raises ValueError on bad sizes.
+    lower_tier_token_target: tokens an iteration the lower tiers together take while a higher tier
+    has work (None: no limit); `tier_grace_iterations` and `lower_tier_idle_token_target`
+    (attributes) the grace after it stops and the lower tiers' tokens meanwhile
+    (`worker.scheduling.decode_share`). Raises ValueError on bad sizes.
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, executor: Executor, *, total_blocks: int,

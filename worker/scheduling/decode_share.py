@@ -26,11 +26,12 @@ weight-1 tenant's, and the interactive tier's iterations stay short.
 
 The tier rule, on by default (`lower_tier_token_target` L, EngineConfig / `--lower-tier-token-target`,
 default 1): strict priority covers the iteration's time too. While a higher tier has work (decodes
-or pending prefill), or had some in the last `tier_grace_iterations` (1024) iterations, the tiers
-below it together take at most L tokens of the iteration (decodes first, then prefill, in tier
-order), except a tier owed its minimum share, which is served as if no limit were set (its share
+or pending prefill), the tiers below it together take at most L tokens of the iteration (decodes
+first, then prefill, in tier order); while it has none but had some in the last
+`tier_grace_iterations` (1024) iterations, at most `lower_tier_idle_token_target` (16, or L if
+larger); except a tier owed its minimum share, which is served as if no limit were set (its share
 comes first, so the minimum-share guarantee of `worker.scheduling.tiers` is untouched). The higher
-tier keeps all of its decodes and prefill.
+tier keeps all of its decodes and prefill; after the grace the lower tiers get whole iterations.
 
 Why: an interactive request's TTFT is the iteration in flight when it arrives plus its own prefill
 iteration (it is never queued: it is admitted in the next iteration). Without the rule both carry a
@@ -41,14 +42,17 @@ idle for more than the grace: a full background iteration (64 decodes, or a 500-
 prefill: 0.10-0.20 s on the CPU time model, against 0.03 s for the interactive tier's own), and (2)
 under heavier interactive load its own iterations carrying the lower tiers' 4 tokens (2 decodes of
 up to 512 context tokens and a partial prefill: about 8 ms each), which slows its iterations, keeps
-more of its streams running at once and so slows them again. Hence a grace long enough that an
-interactive tenant which comes back within it never finds a flood-sized iteration in flight (1024
-iterations: 20-30 s at 20-30 ms per iteration; after that the lower tiers get whole iterations
-again), and L = 1 (the lower tiers keep moving, a decode at a time, and their minimum share comes
-through the owed rule). The price is the lower tiers' throughput while a higher tier is active or
-was within the grace (docs/fairness.md, "Tiers", with figures); also that of the iteration token
-target: a contended iteration is held at T tokens instead of every runnable one, and the skipped
-requests keep their KV blocks while they wait.
+more of its streams running at once and so slows them again.
+
+Hence a grace long enough that an interactive tenant which comes back within it never finds a
+flood-sized iteration in flight (1024 iterations: 20-30 s at 20-30 ms an iteration), a short
+iteration for the lower tiers while it is idle within the grace (16 tokens: what is in flight when
+it comes back stays near its own iteration's time, while the lower tiers keep most of their speed),
+and L = 1 while it works (the lower tiers keep moving, a decode at a time, and their minimum share
+comes through the owed rule). The price is the lower tiers' throughput while a higher tier is
+active or was within the grace (docs/fairness.md, "Tiers", with figures); also that of the
+iteration token target: a contended iteration is held at T tokens instead of every runnable one,
+and the skipped requests keep their KV blocks while they wait.
 
 Pure arithmetic on ids, weights and counts (no torch, no grpc).
 """
