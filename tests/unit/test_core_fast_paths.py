@@ -72,8 +72,9 @@ def _ref_partial_heap(core, tier):
     return core._partial_heaps[tier]
 
 
-def _ref_water_fill(demand, weight, capacity):
+def _ref_water_fill(demand, weight, capacity, first=None):
     """Weighted max-min water-filling, every pass made (what `decode_share.water_fill` shortcuts)."""
+    first = first or {t: 0 for t in demand}
     give = {t: 0 for t in demand}
     left = max(0, int(capacity))
     active = sorted(t for t, d in demand.items() if d > 0)
@@ -89,7 +90,7 @@ def _ref_water_fill(demand, weight, capacity):
         left = capacity - sum(give.values())
         active = [t for t in active if give[t] < demand[t]]
         if not progressed and left > 0 and active:
-            for t in sorted(active, key=lambda u: (give[u] / weight[u], u))[:left]:
+            for t in sorted(active, key=lambda u: (give[u] / weight[u], first[u], u))[:left]:
                 give[t] += 1
             left = capacity - sum(give.values())
             active = [t for t in active if give[t] < demand[t]]
@@ -102,8 +103,8 @@ def _ref_plan_iteration(core, decoding, budget):
     fast_fill = decode_share.water_fill
     chosen = set()
 
-    def fill(demand, weight, capacity):
-        return _ref_water_fill(demand, weight, capacity)
+    def fill(demand, weight, capacity, first=None):
+        return _ref_water_fill(demand, weight, capacity, first)
 
     decode_share.water_fill = fill
     try:
@@ -203,13 +204,15 @@ def test_fast_structures_decide_as_the_plain_scans(n_tenants, tiers, weights, bl
 @settings(max_examples=300, deadline=None)
 @given(demand=st.dictionaries(st.sampled_from([f"t{i}" for i in range(12)]), st.integers(0, 9), max_size=12),
        weights=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0, 4.0]), min_size=12, max_size=12),
-       capacity=st.integers(0, 40))
-def test_water_fill_is_the_plain_water_filling(demand, weights, capacity):
+       capacity=st.integers(0, 40), waited=st.one_of(st.none(), st.lists(st.integers(-1, 5), min_size=12, max_size=12)))
+def test_water_fill_is_the_plain_water_filling(demand, weights, capacity, waited):
     """`water_fill`'s shortcuts (no whole-share pass when no share reaches a slot; the fractional
-    slots by tenant id while none is given) give what every pass of the plain version gives."""
+    slots by tenant id while none is given) give what every pass of the plain version gives, with
+    and without a `first` order for the fractional slots."""
     weight = {f"t{i}": w for i, w in enumerate(weights)}
-    got = decode_share.water_fill(demand, weight, capacity)
-    assert got == _ref_water_fill(demand, weight, capacity)
+    first = None if waited is None else {t: waited[int(t[1:])] for t in demand}
+    got = decode_share.water_fill(demand, weight, capacity, first)
+    assert got == _ref_water_fill(demand, weight, capacity, first)
     assert sum(got.values()) == min(capacity, sum(demand.values()))
 
 

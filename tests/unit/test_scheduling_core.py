@@ -87,6 +87,31 @@ def test_water_fill_and_split_by_tier():
     assert water_fill({"a": 30, "b": 30}, {"a": 1, "b": 3}, 32) == {"a": 8, "b": 24}
     assert water_fill({"a": 30, "b": 5}, {"a": 1, "b": 3}, 32) == {"a": 27, "b": 5}   # b gives the rest away
     assert sum(water_fill({"a": 1, "b": 1, "c": 1}, {"a": 1, "b": 1, "c": 1}, 2).values()) == 2
+    # fractional slots: by tenant id, or by `first` (the longest-waiting tenant) when given
+    assert water_fill({"a": 2, "b": 2}, {"a": 1, "b": 1}, 1) == {"a": 1, "b": 0}
+    assert water_fill({"a": 2, "b": 2}, {"a": 1, "b": 1}, 1, {"a": 7, "b": 3}) == {"a": 0, "b": 1}
+
+
+def test_a_lower_tiers_few_tokens_rotate_among_its_tenants():
+    """Beside an interactive tenant's work the background tier gets one token an iteration (the
+    lower-tier token target's default): its tenants' decodes take turns, the one that waited
+    longest first, instead of the first tenant id taking every one."""
+    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(400, 16), 512, 16,
+                      tiers=TierShares({"batch": 0.0, "background": 0.0}), lower_tier_token_target=1)
+    bg = [seq("ga", out=400, tier="background"), seq("gb", out=400, tier="background")]
+    for q in bg:
+        sched.add(q)
+    while not all(q.output_token_ids for q in bg):
+        step(sched)   # the background alone: whole iterations
+    chat = seq("chat", out=400)
+    sched.add(chat)
+    step(sched)
+    assert chat.output_token_ids, "the interactive request decodes from the step after its arrival"
+    before = [len(q.output_token_ids) for q in bg]
+    for _ in range(20):
+        step(sched)
+    gained = [len(q.output_token_ids) - b for q, b in zip(bg, before)]
+    assert sum(gained) == 20 and gained == [10, 10], gained
     order = ["interactive", "batch", "background"]
     assert split_by_tier({"interactive": 60, "background": 10}, order, {"background": 0.05}, 32) == \
         {"interactive": 30, "background": 2}

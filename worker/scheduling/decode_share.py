@@ -71,10 +71,14 @@ DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET = 16
 RANK = {name: i for i, name in enumerate(TIERS)}
 
 
-def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity: int) -> dict[str, int]:
+def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity: int,
+               first: Mapping[str, int] | None = None) -> dict[str, int]:
     """Split `capacity` whole slots among tenants in proportion to `weight`, none getting more than
     its `demand` (max-min fair with weights). Returns tenant -> slots; the slots sum to
-    min(capacity, Σ demand). Deterministic: ties break by tenant id."""
+    min(capacity, Σ demand). Slots below one tenant's share (its fraction of a slot) go to the
+    tenants furthest below their share; ties by `first` (smaller first: e.g. the iteration a
+    tenant's longest-waiting decode last ran, so that a small capacity rotates among tenants instead
+    of always going to the same one), then by tenant id. Deterministic."""
     give = {t: 0 for t in demand}
     left = max(0, int(capacity))
     active = sorted(t for t, d in demand.items() if d > 0)
@@ -93,11 +97,14 @@ def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity:
             left = capacity - sum(give.values())
             active = [t for t in active if give[t] < demand[t]]
         if not progressed and left > 0 and active:
-            # shares below one slot each: one more to the tenants furthest below their share (none
-            # given yet: all are equally far, so by tenant id, the order `active` is in)
-            first = active[:left] if left == capacity else \
-                heapq.nsmallest(left, active, key=lambda u: (give[u] / weight[u], u))
-            for t in first:
+            # shares below one slot each: one more to the tenants furthest below their share
+            if first is None:
+                # none given yet: all are equally far, so by tenant id, the order `active` is in
+                pick = active[:left] if left == capacity else \
+                    heapq.nsmallest(left, active, key=lambda u: (give[u] / weight[u], u))
+            else:
+                pick = heapq.nsmallest(left, active, key=lambda u: (give[u] / weight[u], first[u], u))
+            for t in pick:
                 give[t] += 1
             left = capacity - sum(give.values())
             active = [t for t in active if give[t] < demand[t]]
@@ -225,8 +232,11 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
                 tenant_entries[tid] = [e]
             else:
                 entries.append(e)
+        # (fractional slots: the tenant whose decode waited longest first, so that a few tokens
+        # rotate among the tier's tenants)
         slots = water_fill({t: len(v) for t, v in tenant_entries.items()},
-                           {t: core.tenants[t].weight for t in tenant_entries}, d)
+                           {t: core.tenants[t].weight for t in tenant_entries}, d,
+                           {t: min(e.last_decode for e in v) for t, v in tenant_entries.items()})
         for t, entries in tenant_entries.items():
             k = slots[t]
             if k >= len(entries):
