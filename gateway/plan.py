@@ -167,7 +167,11 @@ async def read_json_body(request: Request, limit: int, timeout_s: float | None =
         return raw
 
     try:
-        raw = await asyncio.wait_for(read(), timeout_s)
+        if hasattr(asyncio, "timeout"):  # Python 3.11+: bounded in this task, no task of its own per request
+            async with asyncio.timeout(timeout_s):
+                raw = await read()
+        else:
+            raw = await asyncio.wait_for(read(), timeout_s)
     except ClientDisconnect:
         raise client_closed() from None
     except asyncio.TimeoutError:
