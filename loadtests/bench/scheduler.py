@@ -169,7 +169,7 @@ def _commit(sched: Scheduler, chunks) -> None:
 def sc3(repeats: int = 5) -> list[str]:
     """Case SC3 on the reference engine with the random tiny model on this machine (wall seconds):
     `chat`'s TTFT alone, then beside `bulk`'s 30 streams holding every one of 30 running slots
-    (256 output tokens each); `repeats` chat requests each way. Returns the printed lines."""
+    (1536 output tokens each); `repeats` chat requests each way. Returns the printed lines."""
     from worker.engine.engine import Engine, EngineConfig
     from worker.engine.sequence import SamplingParams
     from worker.models import load_model
@@ -200,11 +200,14 @@ def sc3(repeats: int = 5) -> list[str]:
     idle = [chat(i) for i in range(repeats)]
     while engine.scheduler.has_work():
         engine.step()
+    # long enough to outlast the tier grace (the background fills every slot only once chat has been
+    # idle for `tier_grace_iterations`: worker/scheduling/decode_share.py)
     for b in range(30):
-        engine.add_request(f"bulk-{b}", "bulk", [500 + b] + list(range(1, 32)), params(256), lambda o: None,
+        engine.add_request(f"bulk-{b}", "bulk", [500 + b] + list(range(1, 32)), params(1536), lambda o: None,
                            tier="background")
     while len(engine.scheduler.running) < 30:
-        engine.step()
+        if not engine.step():
+            raise RuntimeError("bulk never held all 30 running slots")
     busy = []
     for i in range(repeats):
         busy.append(chat(100 + i))

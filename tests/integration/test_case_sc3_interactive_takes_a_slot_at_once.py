@@ -1,17 +1,22 @@
 """Case SC3 (../shared/cases/scheduling.md) on the real worker: tenant `bulk` (tier background) keeps
-every running slot busy with 30 concurrent streamed requests (max_tokens 256); tenant `chat` (tier
+every running slot busy with 30 concurrent streamed requests (max_tokens BULK_TOKENS); tenant `chat` (tier
 interactive) then sends one 20-token prompt with max_tokens 16. Right value: `chat`'s request takes
 a slot at once (a background request is preempted if needed): its TTFT stays within 1.5x its TTFT on
 an idle worker plus one iteration.
 
 TTFT is asserted in engine iterations (`Timings.first_token_iterations`: iterations started after
 the request reached the engine until its first token was committed), not in seconds: the worker
-runs with `--max-running 30`, so bulk's 30 requests take every slot, and they hold them for 256
+runs with `--max-running 30`, so bulk's 30 requests take every slot, and they hold them for hundreds of
 iterations each, far longer than chat needs. The seconds are printed (`pytest -s`) and measured by
 `fairshare bench scheduler --sc3` on the same construction.
 
 Once directly over gRPC, once through the gateway with the official openai client and the tiers set
 in the tenants file (chat interactive, bulk background).
+
+Bulk's requests are long (BULK_TOKENS output tokens): for `tier_grace_iterations` (1024) iterations
+after chat's last work the background takes at most 16 tokens an iteration
+(worker/scheduling/decode_share.py), decodes first, so it fills every slot only once the grace is
+over, and its requests must still be running then.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from tests.integration.sched_cases import (Stream, cancel_all, load, prompt, req
                                            worker)
 
 SLOTS = 30
+BULK_TOKENS = 1536  # outlasts the grace at 16 tokens an iteration shared by ~16 running requests
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +44,7 @@ def test_case_sc3_interactive_request_takes_a_slot_at_once(sc3_worker):
     assert idle.tokens == 16 and idle.first_token_iterations >= 1
     wait_for(stub, lambda ld: ld.running == 0 and ld.kv_blocks_used == 0, "idle after chat's solo request")
 
-    bulk = [Stream(stub, request("bulk", "background", prompt(32, 100 + i), 256)) for i in range(SLOTS)]
+    bulk = [Stream(stub, request("bulk", "background", prompt(32, 100 + i), BULK_TOKENS)) for i in range(SLOTS)]
     try:
         ld = wait_for(stub, lambda ld: tenants(ld).get("bulk") is not None and tenants(ld)["bulk"].running == SLOTS,
                       f"bulk holds all {SLOTS} running slots")
@@ -75,7 +81,7 @@ def test_case_sc3_through_the_gateway_with_tiers_from_the_tenants_file(sc3_worke
 
     def bulk_stream(i: int) -> None:
         s = client.chat.completions.create(model="random-tiny", messages=[{"role": "user", "content": f"bulk job {i}"}],
-                                           max_tokens=256, stream=True, extra_body={"ignore_eos": True})
+                                           max_tokens=BULK_TOKENS, stream=True, extra_body={"ignore_eos": True})
         streams.append(s)
         try:
             for _ in s:
