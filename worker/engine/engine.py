@@ -56,7 +56,9 @@ class EngineConfig:
     kv_cache_mb, and without it from max_running and the context: `plan_kv_pool` in
     worker/engine/model_runner.py). max_model_len: context limit (None: the model's).
     dtype / quantization: the runner's activation dtype and weight format ("auto": as the
-    checkpoint ships; worker/engine/weights.py).
+    checkpoint ships; worker/engine/weights.py). argmax_head: steps whose requests all decode
+    greedily without logprobs or a grammar use the runner's screened LM head
+    (worker/engine/weights.py `ArgmaxHead`; False: always the dense head).
     returning_preemption: a tenant returning below its slot share gets a running slot at once,
     preempting an over-share tenant (worker/scheduling/returning.py; never under FCFS).
     tier_scheduling: strict priority across tiers with minimum shares (False: tier-blind, every
@@ -100,6 +102,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     quantization: str = "auto"
+    argmax_head: bool = True
     returning_preemption: bool = True
     tier_scheduling: bool = True
     tier_min_shares: dict = field(default_factory=dict)
@@ -194,7 +197,7 @@ class Engine:
                                             c.kv_cache_mb)
                 num_blocks = self.kv_plan.num_blocks
             runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=c.block_size, device=c.device,
-                                 dtype=fmt.dtype, quantization=fmt.quantization)
+                                 dtype=fmt.dtype, quantization=fmt.quantization, argmax_head=c.argmax_head)
         self.runner = runner
         self.clock = clock or time.monotonic
         self.recorder = recorder
@@ -374,7 +377,8 @@ class Engine:
         batch's requests and counts one engine fault (`_fail_batch`); one raised before (scheduling)
         propagates to the caller (the loop counts it too and backs off)."""
         item_class = self._item_class
-        if item_class is None:
+        own_items = item_class is None  # ForwardItem (a runner's own item class takes three fields)
+        if own_items:
             from worker.engine.model_runner import ForwardItem as item_class
 
         with self._state_lock:
@@ -395,7 +399,10 @@ class Engine:
                 items = []
                 for c in chunks:
                     start = c.seq.num_computed_tokens
-                    items.append(item_class(_token_slice(c.seq, start, c.num_tokens), start, list(c.seq.block_table)))
+                    item = item_class(_token_slice(c.seq, start, c.num_tokens), start, list(c.seq.block_table))
+                    if own_items:
+                        item.argmax_only = _argmax_only(c.seq)
+                    items.append(item)
             logits = self.runner.forward(items)
             with self._state_lock:
                 self._commit_step(chunks, logits, started)
@@ -716,6 +723,12 @@ class Engine:
             "iteration_token_target": core.iteration_token_target,
             "lower_tier_token_target": core.lower_tier_token_target,
         }
+
+
+def _argmax_only(seq: Sequence) -> bool:
+    """Whether only the argmax of this sequence's logits is used: greedy, no logprobs, no grammar."""
+    p = seq.sampling
+    return p.temperature <= 0.0 and not p.logprobs and seq.constraint is None and p.grammar is None
 
 
 def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:

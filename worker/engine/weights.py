@@ -39,8 +39,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["WeightFormat", "resolve_format", "make_linear", "Embedding", "make_embedding",
-           "QUANTIZATIONS", "DTYPES", "cpu_has_bf16", "weight_bytes"]
+__all__ = ["WeightFormat", "resolve_format", "make_linear", "Embedding", "make_embedding", "ArgmaxHead",
+           "make_argmax_head", "QUANTIZATIONS", "DTYPES", "cpu_has_bf16", "weight_bytes"]
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 DTYPES = ("auto", "float32", "bfloat16")
@@ -298,6 +298,54 @@ def make_embedding(embed, head, fmt: WeightFormat, device: torch.device):
     emb = Embedding(embed)
     weight = _dense(embed if head is None else head, fmt.dtype).to(device).contiguous()
     return emb, DenseLinear(weight, None)
+
+
+class ArgmaxHead:
+    """The LM head for rows whose caller uses only the argmax (greedy decoding without logprobs or
+    a grammar): a cheap 4-bit screen ranks the whole vocabulary, and the `candidates` it ranks
+    highest are scored exactly; every other logit is -inf. Exactly as the dense head does (the same
+    weights rounded to the activation dtype, fp32 accumulation, the score rounded to the activation
+    dtype: only the summation order differs), so the argmax, ties included (to the lowest id), is
+    the dense head's whenever the dense head's top token is among the candidates: a greedy request
+    gets the same tokens whether or not it asks for logprobs.
+
+    Screen: the tied embedding re-quantized to int4 (round-to-nearest, groups of 32, `Int4Linear`),
+    a quarter of the bf16 head's bytes. Measured on SmolLM2 (49,152 x 576, 1 thread): 1.1 / 1.7 ms
+    at 1 / 4 rows against 2.0 / 2.2 ms for the packed bf16 head, but 3.3 against 2.9 ms at 8 rows,
+    so it serves at most `max_rows` rows. Over 200 decode states of 8 chat prompts the dense head's
+    argmax ranked at most 5th in the screen (max |screen - dense| 4.7 on logits up to ~36), so 64
+    candidates leave a wide margin; the exact scores of 64 rows cost ~0.05 ms.
+
+    `__call__(h)`: h [R, hidden] in the activation dtype, R <= max_rows -> float32 [R, vocab]."""
+
+    max_rows = 4
+    candidates = 64
+
+    def __init__(self, embedding: "Embedding", dtype: torch.dtype) -> None:
+        self.embedding, self.dtype = embedding, dtype
+        self.screen = Int4Linear(*_int4_parts(embedding.source), None)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        rows, hidden = h.shape
+        top = self.screen(h.to(torch.bfloat16)).topk(self.candidates, dim=-1).indices  # [R, k]
+        w = self.embedding.rows(top.flatten()).to(self.dtype).float().view(rows, self.candidates, hidden)
+        # rounded to the activation dtype as the dense head's output is, so ties break the same way
+        exact = torch.bmm(w, h.float().unsqueeze(-1)).squeeze(-1).to(self.dtype).float()  # [R, k]
+        out = torch.full((rows, self.embedding.num_embeddings), float("-inf"), dtype=torch.float32, device=h.device)
+        return out.scatter_(1, top, exact)
+
+    @property
+    def nbytes(self) -> int:
+        return self.screen.nbytes
+
+
+def make_argmax_head(embedding: "Embedding", tied: bool, fmt: WeightFormat, device: torch.device) -> ArgmaxHead | None:
+    """An `ArgmaxHead` over a tied LM head on the CPU (the exact rows are gathered from the embedding,
+    so an untied head would need a second, gatherable copy), or None when it does not apply."""
+    vocab, hidden = embedding.source.shape
+    if not tied or device.type != "cpu" or vocab <= ArgmaxHead.candidates or not int4_shape_ok(vocab, hidden):
+        return None
+    return ArgmaxHead(embedding, fmt.dtype)
 
 
 def weight_bytes(layer) -> int:
