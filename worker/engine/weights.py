@@ -29,6 +29,8 @@ layout cannot be gathered, and the plain GEMV is 2-3x slower (measured: 49,152 x
 Q8_0 table against its exact fp32 logits over 240 hidden states: int4 (groups of 32, re-quantized
 from Q8_0) max |logit error| 3.76 and 67 % argmax agreement; int8 per row 0.71 and 90 %; the bf16
 head 0.13 and 97 %; and at 1 row the int8 kernel is no faster than the packed bf16 GEMV here.
+Greedy steps instead screen the vocabulary with a 4-bit copy and score only the best candidates
+exactly (`ArgmaxHead`): the full logits are never approximate, only absent.
 """
 
 from __future__ import annotations
