@@ -259,6 +259,15 @@ def test_argmax_head_only_for_a_tied_head_and_when_asked(tiny):
     assert ModelRunner(untied, num_kv_blocks=4).argmax_head is None  # its rows could not be gathered
 
 
+def test_argmax_head_screen_packed_in_pieces_is_the_whole_table_packed(tiny):
+    from worker.engine.weights import ArgmaxHead, Embedding, Int4Linear, _int4_parts
+
+    table = tiny.state_dict["model.embed_tokens.weight"][:4096 + 48].bfloat16()  # a last piece of 48 rows
+    whole = Int4Linear(*_int4_parts(table), None)
+    pieces = ArgmaxHead(Embedding(table), torch.bfloat16, chunk_rows=1024).screen
+    assert torch.equal(pieces.packed, whole.packed) and torch.equal(pieces.scale_zeros, whole.scale_zeros)
+
+
 def test_format_choice():
     """auto runs weights as they ship: 4-bit blocks -> int4 (bf16 activations), 8-bit -> int8,
     dense fp32 -> fp32; bf16 on CUDA; quantization is CPU-only."""

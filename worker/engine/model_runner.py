@@ -239,6 +239,14 @@ class ModelRunner:
         if self.argmax_head is not None:
             self.resident_weight_bytes += self.argmax_head.nbytes
 
+    def step_weight_bytes(self, rows: int, argmax_only: bool = False) -> int:
+        """Bytes of weights one forward step of `rows` logit rows reads: every linear layer once, and
+        the dense LM head, or the screened one's 4-bit copy when the step takes it (see `forward`)."""
+        head = self.argmax_head
+        if head is not None and argmax_only and rows <= head.max_rows:
+            return self.weight_bytes - weight_bytes(self.lm_head) + weight_bytes(head)
+        return self.weight_bytes
+
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV pool (virtual: resident only where blocks were written)."""

@@ -191,6 +191,17 @@ class Int4Linear:
         self.bias = bias
         self.out_features = codes.shape[0]
 
+    @classmethod
+    def stacked(cls, layers: list["Int4Linear"]) -> "Int4Linear":
+        """One layer whose output rows are `layers`' rows in order (each built from a multiple of 64
+        rows: the packed layout then concatenates row-wise); lets a large weight be packed in pieces."""
+        out = cls.__new__(cls)
+        out.packed = torch.cat([layer.packed for layer in layers])
+        out.scale_zeros = torch.cat([layer.scale_zeros for layer in layers], dim=1).contiguous()
+        out.bias = None
+        out.out_features = sum(layer.out_features for layer in layers)
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scale_zeros)
         return y if self.bias is None else y + self.bias
@@ -323,9 +334,17 @@ class ArgmaxHead:
     max_rows = 4
     candidates = 64
 
-    def __init__(self, embedding: "Embedding", dtype: torch.dtype) -> None:
+    def __init__(self, embedding: "Embedding", dtype: torch.dtype, chunk_rows: int = 4096) -> None:
         self.embedding, self.dtype = embedding, dtype
-        self.screen = Int4Linear(*_int4_parts(embedding.source), None)
+        src, vocab = embedding.source, embedding.num_embeddings
+        # packed 4,096 rows at a time: the temporaries of a whole-table pass (fp32 copies, int32
+        # codes) would add ~0.5 GB to the worker's peak for SmolLM2
+        pieces = []
+        for start in range(0, vocab, chunk_rows):
+            rows = torch.arange(start, min(start + chunk_rows, vocab))
+            part = src.index_select(0, rows) if isinstance(src, torch.Tensor) else src.take_rows(rows)
+            pieces.append(Int4Linear(*_int4_parts(part), None))
+        self.screen = Int4Linear.stacked(pieces)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         rows, hidden = h.shape
