@@ -1,0 +1,23 @@
+"""worker.cli.resident_mb_of counts a tensor's own resident pages (mincore), not its neighbours':
+the KV pool's share of the worker's memory printed at start relies on it."""
+
+from __future__ import annotations
+
+import torch
+
+from worker.cli import resident_mb_of
+
+
+def test_untouched_pages_are_not_resident_and_written_ones_are():
+    pool = torch.empty(256 * 2**20, dtype=torch.uint8)  # a fresh mapping: nothing resident yet
+    neighbour = torch.ones(8 * 2**20, dtype=torch.uint8)  # resident memory allocated beside it
+    assert resident_mb_of(pool) < 1
+    pool[: 32 * 2**20].fill_(1)
+    assert 32 <= resident_mb_of(pool) < 33
+    pool[-1] = 1  # one more page at the far end
+    assert 32 < resident_mb_of(pool) < 33
+    assert 8 <= resident_mb_of(neighbour) < 9
+
+
+def test_empty_tensor():
+    assert resident_mb_of(torch.empty(0)) == 0.0
