@@ -602,9 +602,11 @@ def _call_worker(w: WorkerClient, request: pb.GenerateRequest, attempt: int, cos
                  parent, deadline: float | None, signer) -> Generation:
     """Open attempt number `attempt` of `request` on `w` (request id ``<id>.r<attempt>`` after the first),
     in a ``gateway.worker_call`` span, counting `cost` tokens on the worker; signed and traced."""
-    req = pb.GenerateRequest()
-    req.CopyFrom(request)
-    req.request_id = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
+    req = request
+    if attempt:  # a retry: a copy under its own id (the first attempt sends the request as built)
+        req = pb.GenerateRequest()
+        req.CopyFrom(request)
+        req.request_id = f"{request.request_id}.r{attempt}"
     w.local_inflight += cost
     span = tracer.start_span("gateway.worker_call", context=parent, kind=SpanKind.CLIENT, attributes={
         "rpc.system": "grpc", "rpc.service": WORKER_SERVICE, "rpc.method": "Generate",
