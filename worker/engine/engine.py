@@ -675,12 +675,12 @@ class Engine:
             return snap
         st = cache.stats
         snap.update(cache_blocks=cache.num_blocks, cache_public_blocks=cache.num_public_blocks,
-                    cache_hit_tokens=st.hit_tokens, cache_lookup_tokens=st.lookup_tokens,
+                    cache_hit_tokens=st.tokens.hit_tokens, cache_lookup_tokens=st.tokens.lookup_tokens,
                     cache_evictable_blocks=cache.num_evictable)
         for t in snap["tenants"]:
             tid = t["tenant_id"]
             t["cache_blocks"] = cache.footprint(tid)
-            t["cached_prompt_tokens"] = st.hit_tokens_by_tenant.get(tid, 0)
+            t["cached_prompt_tokens"] = st.by_tenant[tid].hit_tokens if tid in st.by_tenant else 0
         return snap
 
     def _snapshot(self) -> dict:

@@ -75,13 +75,8 @@ class Scheduler:
                  quota: KVQuota | None = None, returning_preemption: bool = True,
                  tiers: TierShares | None = None, iteration_token_target: int | None = None,
                  lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
-        if max_num_batched_tokens < 1 or max_running < 1 or prefill_slice < 1:
-            raise ValueError("max_num_batched_tokens, max_running and prefill_slice must be >= 1")
         self.cost = cost
         self.blocks = block_manager
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_running = max_running
-        self.prefill_slice = prefill_slice
         self.clock = clock
         self.by_id: dict[str, Sequence] = {}
         self.core = SchedulingCore(policy, cost, self, total_blocks=block_manager.num_blocks,
@@ -222,7 +217,7 @@ class Scheduler:
         """
         core = self.core
         core.begin_iteration(self.blocks.num_free, self._promised())
-        budget = self.max_num_batched_tokens
+        budget = core.chunk_tokens
         chunks: dict[str, ScheduledChunk] = {}
         decoding = [e for e in core.running.values() if e.handle.num_uncomputed == 1]
         decodes, prefill_budget = core.plan_iteration(decoding, budget)
@@ -280,7 +275,7 @@ class Scheduler:
                 self._charge_cached(chunks, seq)
             have = core.allocated(e)
             # a running partial prefill takes a smaller slice when memory is short
-            n = min(self.prefill_slice, seq.num_uncomputed - have, core.prefill_budget, self._room(seq, have))
+            n = min(core.prefill_slice, seq.num_uncomputed - have, core.prefill_budget, self._room(seq, have))
             if n <= 0:
                 core.cannot_serve(e)
                 continue

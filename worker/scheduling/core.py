@@ -53,6 +53,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fairshare.checks import require_at_least
 from worker.scheduling.cost import CostFunction
 from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_TOKEN_TARGET, DEFAULT_TIER_GRACE_ITERATIONS,
                                              plan_iteration)
@@ -180,10 +181,8 @@ class SchedulingCore:
                  quota: KVQuota | None = None, returning: bool = True, tiers: TierShares | None = None,
                  iteration_token_target: int | None = None,
                  lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
-        if chunk_tokens < 1 or prefill_slice < 1 or any(
-                t is not None and t < 1 for t in (iteration_token_target, lower_tier_token_target)):
-            raise ValueError("chunk_tokens, prefill_slice, iteration_token_target and lower_tier_token_target "
-                             "must be >= 1")
+        require_at_least(1, chunk_tokens=chunk_tokens, prefill_slice=prefill_slice,
+                         iteration_token_target=iteration_token_target, lower_tier_token_target=lower_tier_token_target)
         self.policy = policy
         self.cost = cost
         self.executor = executor
