@@ -40,7 +40,7 @@ from .errors import (APIError, body_too_large, client_closed, from_validation_er
 from .logprobs import TokenTexts
 from .routing import ModelEntry, WorkerPool
 from .structured import grammar_for
-from .tokenization import TemplateError
+from .tokenization import PromptTooLong, TemplateError
 from .tools import ToolCallParser, ToolCallStream, get_parser
 from .tracing import set_error
 
@@ -269,21 +269,28 @@ async def _tokenize_traced(tracer, entry: ModelEntry, kind: str, req, plan: Outp
 
 
 def tokenize(entry: ModelEntry, kind: str, req, plan: OutputPlan) -> list[list[int]]:
-    """Token ids of each prompt (chat: one). Raises TemplateError, or APIError 400 for bad token ids."""
+    """Token ids of each prompt (chat: one). Raises TemplateError, or APIError 400 for bad token ids
+    and for a prompt sure to fill the context (``context_length_exceeded``, found from its length
+    before it is encoded: a prompt of megabytes costs no seconds of CPU to refuse)."""
     tok = entry.tokenizer
-    if kind == "chat":
-        return [tok.encode_chat(req.template_messages(), plan.tools or None, plan.tool_format)]
-    prompts = []
-    vocab = tok.vocab_size()
-    for p in req.prompts():
-        if isinstance(p, str):
-            prompts.append(tok.encode_text(p))
-        else:
-            if any(t >= vocab for t in p):
-                raise invalid_request(f"Invalid token id in 'prompt': ids must be < {vocab}.", "prompt",
-                                      "invalid_value")
-            prompts.append(list(p))
-    return prompts
+    limit = entry.max_context_tokens - 1  # a prompt must leave room for one output token
+    param = prompt_param(kind)
+    try:
+        if kind == "chat":
+            return [tok.encode_chat(req.template_messages(), plan.tools or None, plan.tool_format, limit=limit)]
+        prompts = []
+        vocab = tok.vocab_size()
+        for p in req.prompts():
+            if isinstance(p, str):
+                prompts.append(tok.encode_text(p, limit=limit))
+            else:
+                if any(t >= vocab for t in p):
+                    raise invalid_request(f"Invalid token id in 'prompt': ids must be < {vocab}.", "prompt",
+                                          "invalid_value")
+                prompts.append(list(p))
+        return prompts
+    except PromptTooLong as e:
+        raise context_error(entry.max_context_tokens, e.at_least, None, param, at_least=True) from None
 
 
 def output_budget(settings: GatewaySettings, tenant: TenantConfig, entry: ModelEntry, names: list[str],
@@ -317,12 +324,14 @@ def output_budget(settings: GatewaySettings, tenant: TenantConfig, entry: ModelE
     return max_tokens
 
 
-def context_error(ctx: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
-    """400 ``context_length_exceeded`` in OpenAI's wording (token counts in tokens)."""
+def context_error(ctx: int, prompt_len: int, max_tokens: int | None, param: str, at_least: bool = False) -> APIError:
+    """400 ``context_length_exceeded`` in OpenAI's wording (token counts in tokens; `at_least`: the
+    prompt's count is a lower bound, the prompt was refused before it was encoded)."""
     where = "messages" if param == "messages" else "prompt"
     if max_tokens is None or prompt_len >= ctx:
+        count = f"at least {prompt_len}" if at_least else f"{prompt_len}"
         msg = (f"This model's maximum context length is {ctx} tokens. However, your {where} resulted in "
-               f"{prompt_len} tokens. Please reduce the length of the {where}.")
+               f"{count} tokens. Please reduce the length of the {where}.")
     else:
         msg = (f"This model's maximum context length is {ctx} tokens. However, you requested "
                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the completion). "

@@ -199,6 +199,25 @@ def test_hostile_fields_are_clear_400s(gw, extra, param, code):
     assert err["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "frequency_penalty", "presence_penalty"])
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_number_is_named_as_such_not_as_out_of_range(gw, field, literal):
+    content = ('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "%s": %s}'
+               % (MODEL, field, literal)).encode()
+    err = assert_error_response(post(gw, content=content), 400)
+    assert (err["param"], err["code"]) == (field, "invalid_value") and "finite number" in err["message"], err
+
+
+def test_every_n_over_the_bound_gets_the_same_message(gw):
+    """n is bounded once, by the operator's max_n (16 by default), whatever the size of n."""
+    messages = set()
+    for n in (17, 128, 129, 10**6):
+        err = assert_error_response(post(gw, {"model": MODEL, "messages": HELLO, "max_tokens": 2, "n": n}), 400)
+        assert (err["param"], err["code"]) == ("n", "invalid_value"), err
+        messages.add(err["message"])
+    assert messages == {"Invalid value for 'n': at most 16 choices per request."}
+
+
 def test_text_completion_hostile_fields(gw):
     for extra, param, code in [({"prompt": [[1, 2], [-3]]}, "prompt", "invalid_value"),
                                ({"prompt": [10**12]}, "prompt", "invalid_value"),
