@@ -66,7 +66,8 @@ class Scheduler:
     iteration_token_target: tokens per contended iteration beyond which they are shared by tier and
     weight (None: the token budget, i.e. never). lower_tier_token_target: tokens per iteration the
     lower tiers together may take while a higher tier has work (None: no limit; default 4;
-    worker/scheduling/decode_share.py). Raises ValueError on non-positive sizes.
+    worker/scheduling/decode_share.py). Raises ValueError on non-positive sizes (the core checks them: it
+    names max_num_batched_tokens chunk_tokens).
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, block_manager: BlockManager,
