@@ -35,7 +35,7 @@ from fairshare.v1 import worker_pb2 as pb
 from . import schemas
 from .config import COMPLETIONS_DEFAULT_MAX_TOKENS, GatewaySettings
 from .deadlines import Deadline, request_deadline
-from .errors import (APIError, body_too_large, client_closed, from_validation_error, invalid_request,
+from .errors import (APIError, body_timeout, body_too_large, client_closed, from_validation_error, invalid_request,
                      model_not_found, unavailable)
 from .logprobs import TokenTexts
 from .routing import ModelEntry, WorkerPool
@@ -127,7 +127,7 @@ async def plan_request(gw, request: Request, kind: str, tenant: TenantConfig) ->
     if gw.draining:
         raise unavailable("The gateway is shutting down; please retry (another replica will serve you).",
                           retry_after_s=1)
-    body, size = await read_json_body(request, gw.settings.max_body_bytes)
+    body, size = await read_json_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout_s)
     try:
         req = schemas.validate_request(body, kind)
     except ValidationError as e:
@@ -150,20 +150,32 @@ async def plan_request(gw, request: Request, kind: str, tenant: TenantConfig) ->
     return GenerationPlan(kind, req, req.model, entry, output, deadline, prompts, n, max_tokens, cost, max_param)
 
 
-async def read_json_body(request: Request, limit: int) -> tuple[dict[str, Any], int]:
+async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> tuple[dict[str, Any], int]:
     """The request's JSON object and its size in bytes. Raises APIError 400 (not JSON / not an
-    object) or 413 (over `limit` bytes)."""
+    object), 413 (over `limit` bytes) or 408 (the whole body not there within `timeout_s` seconds,
+    e.g. shorter than its ``content-length``: the connection is not held open for it)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise body_too_large(limit)
-    raw = bytearray()
-    try:
+
+    async def read() -> bytearray:
+        raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > limit:
                 raise body_too_large(limit)
+        return raw
+
+    try:
+        if hasattr(asyncio, "timeout"):  # Python 3.11+: bounded in this task, no task of its own per request
+            async with asyncio.timeout(timeout_s):
+                raw = await read()
+        else:
+            raw = await asyncio.wait_for(read(), timeout_s)
     except ClientDisconnect:
         raise client_closed() from None
+    except asyncio.TimeoutError:
+        raise body_timeout(timeout_s or 0) from None
     try:
         text = bytes(raw).decode("utf-8")
     except UnicodeDecodeError as e:
