@@ -27,7 +27,7 @@ def report(name: str, policy: str = "vtc") -> str:
     """The report block of one workload."""
     w = WORKLOADS[name]
     sglang = run_sglang(w, policy)
-    granular = run_reference(w, policy, prefill_slice=w.engine.chunk_tokens)
+    granular = run_reference(w, policy, prefill_slice=w.engine.chunk_tokens, max_partial_prefills=1)
     default = run_reference(w, policy)
     order = compare(granular, sglang)
     service = compare(default, sglang, w.backlog_window, w.backlogged)

@@ -172,18 +172,24 @@ class SchedulingCore:
     slot at once (`worker.scheduling.returning`). tiers: `TierShares` (default: strict priority,
     5 % minimum shares, floor α·chunk/2). iteration_token_target: tokens per contended iteration
     beyond which they are shared by tier and weight (None: the token budget, i.e. never).
-    Raises ValueError on bad sizes.
+    max_partial_prefills: most running requests left with prefill to do at the end of a round
+    (None: no limit). A waiting head is admitted while fewer running requests than that have prefill
+    left, or when this pick finishes its whole prefill (`admissible`). SGLang keeps one
+    `Scheduler.chunked_req` (its plugin passes 1); vLLM calls the same limit
+    `max_num_partial_prefills`. Raises ValueError on bad sizes.
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, executor: Executor, *, total_blocks: int,
                  max_running: int, chunk_tokens: int = 512, prefill_slice: int = 16, max_skips: int = 8,
                  quota: KVQuota | None = None, returning: bool = True, tiers: TierShares | None = None,
                  iteration_token_target: int | None = None,
-                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
+                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                 max_partial_prefills: int | None = None) -> None:
         if chunk_tokens < 1 or prefill_slice < 1 or any(
-                t is not None and t < 1 for t in (iteration_token_target, lower_tier_token_target)):
-            raise ValueError("chunk_tokens, prefill_slice, iteration_token_target and lower_tier_token_target "
-                             "must be >= 1")
+                t is not None and t < 1 for t in (iteration_token_target, lower_tier_token_target,
+                                                  max_partial_prefills)):
+            raise ValueError("chunk_tokens, prefill_slice, iteration_token_target, lower_tier_token_target and "
+                             "max_partial_prefills must be >= 1")
         self.policy = policy
         self.cost = cost
         self.executor = executor
@@ -196,6 +202,7 @@ class SchedulingCore:
         self.prefill_slice = prefill_slice
         self.iteration_token_target = iteration_token_target or chunk_tokens
         self.lower_tier_token_target = lower_tier_token_target
+        self.max_partial_prefills = max_partial_prefills
         self.tier_grace_iterations = DEFAULT_TIER_GRACE_ITERATIONS
         self._tier_last_work: dict[str, int] = {}   # tier -> last iteration it had work (decode_share)
         self._tier_prefill_cap: dict[str, int] | None = None
@@ -536,6 +543,8 @@ class SchedulingCore:
         tid, rid = ts.tenant_id, e.request_id
         if self.ledger.free_slots(tid, rid) <= 0:
             return False
+        if self.max_partial_prefills is not None and not self._partial_fits(e):
+            return False
         need = e.need = self.executor.admission_need(e.handle)
         if self.quota is not None and not self.gate.holds(rid):
             why = self.room.quota_refusal(ts, need)
@@ -551,6 +560,22 @@ class SchedulingCore:
             self._unfit[tid] = (rid, need)
             return False
         return True
+
+    def _partial_fits(self, e: Entry) -> bool:
+        """The partial-prefill limit (`max_partial_prefills`): waiting `e` may be admitted while
+        fewer running requests than the limit have prefill left beyond what they were given this
+        round, or when this pick can finish its whole prefill (the slice, the budget and the room
+        the executor reports all cover it)."""
+        left, alloc = self.executor.prefill_left, self._alloc
+        open_ = 0
+        for tid in self._partial_tenants:
+            for p in self.tenants[tid].partials:
+                if p.running and left(p.handle) - alloc.get(p.request_id, 0) > 0:
+                    open_ += 1
+        if open_ < self.max_partial_prefills:
+            return True
+        need = max(1, left(e.handle))
+        return need <= min(self.prefill_slice, self._budget) and need <= self.executor.prefill_room(e.handle, 0)
 
     def admit(self, e: Entry) -> None:
         """Admit waiting head `e` (returned by `next_prefill`): it takes a slot and its need."""

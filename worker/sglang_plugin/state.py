@@ -116,6 +116,7 @@ class FairShareState:
         self.scheduler = None                   # the SGLang Scheduler this state serves
         self._batch = None                      # the running batch of the pass being planned
         self._sglang_retracted = False          # a preemption SGLang already carried out
+        self._cached: dict[str, int] = {}       # rid -> cached prefix matched for this pass's plan
         self.plan: PassPlan | None = None
 
     # ---- the core -----------------------------------------------------------------------------
@@ -142,7 +143,8 @@ class FairShareState:
                                enabled=self.tier_scheduling)
             self._core = SchedulingCore(self.policy, self.cost, self, total_blocks=total, max_running=slots,
                                         chunk_tokens=chunk, prefill_slice=chunk, max_skips=self.max_skips,
-                                        quota=quota, returning=self.returning, tiers=tiers)
+                                        quota=quota, returning=self.returning, tiers=tiers,
+                                        max_partial_prefills=1)
         return self._core
 
     def bind(self, scheduler) -> None:
@@ -164,10 +166,27 @@ class FairShareState:
     def _total(req) -> int:
         return len(req.origin_input_ids) + len(req.output_ids)
 
-    @staticmethod
-    def _computed(req) -> int:
+    def _computed(self, req) -> int:
+        """Tokens of `req` whose KV is there: committed, or, for a request the current plan
+        admits, the cached prefix SGLang's radix tree matched (`_match_prefix`)."""
         kv = getattr(req, "kv", None)
-        return int(getattr(kv, "kv_committed_len", 0) or 0) if kv is not None else int(getattr(req, "extend_end", 0) or 0)
+        done = int(getattr(kv, "kv_committed_len", 0) or 0) if kv is not None else int(getattr(req, "extend_end", 0) or 0)
+        return max(done, self._cached.get(req.rid, 0))
+
+    def _match_prefix(self, req) -> None:
+        """On the core's admission of waiting `req` in a pass plan: match its prompt against
+        SGLang's radix tree as the prefill loop is about to (`Req.init_next_round_input`, called
+        again by `_get_new_batch_prefill_raw` before `add_one_req`), so that the plan gives it only
+        the tokens the tree does not hold, as the reference engine attaches a cached prefix on
+        admission (`BlockManager.attach_prefix`)."""
+        s = self.scheduler
+        cache = getattr(s, "tree_cache", None)
+        if cache is None or getattr(s, "disable_radix_cache", False) or not hasattr(req, "init_next_round_input"):
+            return
+        req.init_next_round_input(cache)
+        cached = int(getattr(req, "prefix_len", 0) or 0)
+        if cached > 0:
+            self._cached[req.rid] = cached
 
     def admission_need(self, req) -> int:
         """Pages a waiting request takes from SGLang's prefill budget to be admitted whole: its
@@ -387,8 +406,9 @@ class FairShareState:
                         core.admit(e)
                         self.tracked[e.request_id].admitted = True
                         plan.admitted.append(req)
+                        self._match_prefix(req)
                     have = core.allocated(e)
-                    n = min(core.prefill_slice, self.prefill_left(req) - have, core.prefill_budget,
+                    n = min(core.prefill_slice, self._total(req) - self._computed(req) - have, core.prefill_budget,
                             self.prefill_room(req, have))
                     if n <= 0:
                         core.cannot_serve(e)
@@ -410,14 +430,19 @@ class FairShareState:
 
     def _charge_planned(self, req, start: int, n: int) -> None:
         """Charge the prompt positions in [start, start+n) never charged before (as the reference
-        charges a slice when it is scheduled; `charge_prefill` then finds them accounted)."""
+        charges a slice when it is scheduled; `charge_prefill` then finds them accounted). Prompt
+        positions below `start` never charged before are the cached prefix the plan matched: charged
+        at the cost function's cached rate, as the reference charges an attached prefix."""
         tr = self.tracked[req.rid]
-        lo = max(start, tr.prompt_accounted)
+        done = tr.prompt_accounted
+        cached = max(0, min(start, tr.prompt_len) - done)
+        lo = max(start, done)
         hi = min(start + n, tr.prompt_len)
-        if hi > lo:
-            units = self.cost.prefill(hi - lo, 0, start=lo)
-            self.policy.charge(tr.tag.tenant_id, units, prompt_tokens=hi - lo, request_id=tr.rid)
-            tr.prompt_accounted = hi
+        computed = max(0, hi - lo)
+        if computed or cached:
+            units = self.cost.prefill(computed, cached, start=done)
+            self.policy.charge(tr.tag.tenant_id, units, prompt_tokens=computed, request_id=tr.rid)
+            tr.prompt_accounted = max(done, hi, min(start, tr.prompt_len))
 
     def planned_tokens(self, req) -> int | None:
         """Tokens the current pass's plan gives `req` (None: not in the plan, or no plan)."""
@@ -428,6 +453,7 @@ class FairShareState:
         memory check refused them, sglang-backend.md "cannot" 4, or a second partial prefill,
         "cannot" 1) go back to the front of their tenant's queue in the core. Returns their ids."""
         plan, self.plan = self.plan, None
+        self._cached = {}
         if plan is None:
             return []
         ran = {r.rid for r in (batch.reqs if batch is not None else ())}
