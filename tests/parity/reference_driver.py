@@ -107,6 +107,13 @@ class ReferenceDriver(ScriptedDriver):
         return self.blocks.num_used
 
 
+def sglang_batching(workload: ScriptedWorkload) -> dict:
+    """The reference engine's settings for SGLang's batching (`EngineConfig.prefill_slice`,
+    `max_partial_prefills`): one pick may take a whole chunk of a request, and at most one request
+    is left in partial prefill (SGLang's one `Scheduler.chunked_req`). Options for `run_reference`."""
+    return {"prefill_slice": workload.engine.chunk_tokens, "max_partial_prefills": 1}
+
+
 def run_reference(workload: ScriptedWorkload, policy: str = "vtc", **options) -> Trace:
     """Run `workload` through the reference scheduler; see `ReferenceDriver`."""
     return ReferenceDriver(workload, policy, **options).run()

@@ -39,14 +39,6 @@ log = logging.getLogger("fairshare.sglang_plugin")
 TAG_ATTR = "fairshare_tag"
 
 
-def _clip_max_new_tokens() -> int:
-    """SGLang's `schedule_policy.CLIP_MAX_NEW_TOKENS` (its env `SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`,
-    default 4096), read the same way without importing SGLang."""
-    import os
-
-    return int(os.environ.get("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "4096"))
-
-
 @dataclass
 class TrackedRequest:
     """One live request as the plugin accounts it.
@@ -195,32 +187,15 @@ class FairShareState:
         its prompt and outputs only."""
         return self._pages(self._total(req))
 
-    @staticmethod
-    def _new_tokens_left(req) -> int:
-        params = getattr(req, "sampling_params", None)
-        max_new = int(getattr(params, "max_new_tokens", 0) or 0)
-        return max(0, min(max_new - len(req.output_ids), _clip_max_new_tokens()))
-
-    def decode_reserve(self) -> int:
-        """Tokens SGLang's `PrefillAdder.__init__` holds back from admissions for the running batch
-        (`memory_budget.total_offset`): each running request's remaining new tokens (clipped) times
-        `new_token_ratio` (1 for `ignore_eos`), plus one token per decode riding along with mixed
-        chunked prefill. The core is told the free room less this, so it plans only admissions
-        SGLang's adder carries out (docs/sglang-backend.md "cannot" 4)."""
+    def mixed_decode_tokens(self) -> int:
+        """Tokens the pass's decodes take beside the prefill: one per running request when they
+        ride along with mixed chunked prefill (`PrefillAdder.__init__`'s
+        `num_mixed_decode_tokens`, in `memory_budget.current_offset`), else none."""
         s = self.scheduler
-        batch = self._batch if self._batch is not None else getattr(s, "running_batch", None)
-        reqs = list(getattr(batch, "reqs", None) or ())
-        if not reqs:
+        if not getattr(s, "is_mixed_chunk", False):
             return 0
-        tracker = getattr(s, "new_token_ratio_tracker", None)
-        ratio = float(getattr(tracker, "current", 1.0)) if tracker is not None else 1.0
-        total = 0.0
-        for r in reqs:
-            r_ratio = 1.0 if getattr(r.sampling_params, "ignore_eos", False) else ratio
-            total += self._new_tokens_left(r) * r_ratio
-        if getattr(s, "is_mixed_chunk", False):
-            total += len(reqs)
-        return int(-(-total // 1))
+        batch = self._batch if self._batch is not None else getattr(s, "running_batch", None)
+        return len(getattr(batch, "reqs", None) or ())
 
     def blocks_held(self, req) -> int:
         kv = getattr(req, "kv", None)
@@ -234,8 +209,8 @@ class FairShareState:
         return n if n > 1 else 0
 
     def prefill_room(self, req, have: int) -> int:
-        """Tokens a running prefill can take this pass: its pages and the free room less SGLang's
-        decode reserve, as `PrefillAdder.add_chunked_req` limits a continued chunk; when that is
+        """Tokens a running prefill can take this pass: its pages and the free room (`free_blocks`),
+        as `PrefillAdder.add_chunked_req` limits a continued chunk; when that is
         used up, what the pool physically has (SGLang continues a chunk regardless, so that it
         finishes and frees its KV: `PrefillBudget.available_chunk_tokens`)."""
         held, computed, page = self.blocks_held(req), self._computed(req), self.page_size
@@ -249,12 +224,15 @@ class FairShareState:
         return int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())
 
     def free_blocks(self) -> int:
-        """Pages an admission can get now as SGLang's prefill budget counts them: free plus evictable,
-        less the decode reserve for the running batch (`decode_reserve`) and one token (SGLang
-        admits while a request's tokens are strictly below the budget). Unbound: the whole pool."""
+        """Pages an admission can get now: free plus evictable, less the decodes riding along with
+        mixed chunked prefill (`mixed_decode_tokens`) and one token (SGLang admits while a
+        request's tokens are strictly below its budget). SGLang's estimates of future decode tokens
+        are not held back: with a plan, `FairSharePrefillAdder` drops them from its budget, so
+        admission is the core's rule on the room there is now, the reference engine's (a decode
+        that runs short is retracted). Unbound: the whole pool."""
         if self.scheduler is None:
             return self.core.ledger.total_blocks
-        return max(0, self._physical_free() - self.decode_reserve() - 1) // self.page_size
+        return max(0, self._physical_free() - self.mixed_decode_tokens() - 1) // self.page_size
 
     def preempt(self, req) -> None:
         """Carry out the core's recompute preemption with SGLang's own functions (as
