@@ -26,7 +26,7 @@ reference does by default; the core's rules are the same either way, the slicing
 
 Plus the tiers workload against DESIGN itself (strict priority with a minimum share), on both
 executors, and DRR on SGLang. Against the reference at its defaults (16-token slices, any number of
-partial prefills) the quarter shares differ by up to 45 % (tiers); the reference against itself at
+partial prefills) the quarter shares differ by up to 50 % (tiers); the reference against itself at
 SGLang's batching differs by as much, so that gap is the reference's own sensitivity to slicing,
 not an SGLang decision (`test_against_the_reference_defaults_the_gap_is_the_slicing`).
 """

@@ -229,6 +229,7 @@ class SchedulingCore:
         self._budget = 0
         self._alloc: dict[str, int] = {}
         self._out: set[str] = set()        # tenants taken out of the round (stashed or without work)
+        self._partial_wait: set[str] = set()  # of those, tenants whose head waits for the partial-prefill limit
         self._dead: set[str] = set()       # tiers with no candidate left this round
         self._unfit: dict[str, tuple[str, int]] = {}
         self._touched: set[str] = set()
@@ -450,6 +451,7 @@ class SchedulingCore:
         self._out = set()
         self._dead = set()
         self._unfit = {}
+        self._partial_wait = set()
         self.ledger.sync(free_blocks, promised_blocks, len(self.running))
         self._no_slot_now = None
         self._refresh()
@@ -544,6 +546,7 @@ class SchedulingCore:
         if self.ledger.free_slots(tid, rid) <= 0:
             return False
         if self.max_partial_prefills is not None and not self._partial_fits(e):
+            self._partial_wait.add(tid)  # back in the round once a partial prefill finishes (`served`)
             return False
         need = e.need = self.executor.admission_need(e.handle)
         if self.quota is not None and not self.gate.holds(rid):
@@ -622,6 +625,14 @@ class SchedulingCore:
             self._tier_prefill_cap[ts.sched_tier] -= tokens
         self._touched.add(ts.tenant_id)
         self._sticky = ts  # back in its heap when another tenant gets the turn (`next_prefill`)
+        if self._partial_wait and self.executor.prefill_left(e.handle) - self._alloc[e.request_id] <= 0:
+            # a partial prefill finished: heads held back by the partial-prefill limit may start now
+            for tid in sorted(self._partial_wait):
+                self._out.discard(tid)
+                self._dead.discard(self.tenants[tid].sched_tier)
+                if tid != ts.tenant_id:
+                    self._repush(self.tenants[tid])
+            self._partial_wait = set()
 
     @property
     def prefill_budget(self) -> int:

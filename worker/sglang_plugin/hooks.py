@@ -15,7 +15,7 @@ Targets (SGLang 0.5.23):
 | `sglang.srt.managers.scheduler.Scheduler._add_request_to_queue(self, req, is_retracted=False)` | BEFORE | verify the tenant, enforce its namespace, lift on arrival (not for retracted requests) |
 | `sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority(self, waiting_queue, running_batch=None, processed_tokens=0)` | AFTER | order the waiting queue: the core's plan for the pass, then `SchedulingCore.admission_order()` |
 | `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch)` | BEFORE | one iteration of the scheduling core (`FairShareState.begin_pass`): its preemptions, carried out with SGLang's release functions, and its prefill plan |
-| `sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class(self) -> type` | REPLACE | `FairSharePrefillAdder`: admits exactly the plan (tokens per request), skips the rest, parks the chunk |
+| `sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class(self) -> type` | REPLACE | `FairSharePrefillAdder`: admits exactly the plan (tokens per request) on the room there is now, skips the rest, parks the chunk |
 | `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; planned admissions SGLang refused go back to the core's queue; retire requests aborted while waiting |
 | `sglang.srt.managers.scheduler.Scheduler.process_batch_result(self, batch, result)` | AFTER | charge output tokens as `output_ids` grow; retire finished requests |
 | `sglang.srt.managers.scheduler.Scheduler.get_internal_state(self, recv_req) -> GetInternalStateReqOutput` | AFTER | add the scheduler's FairShare figures (`internal_state["fairshare"]`) |
