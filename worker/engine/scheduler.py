@@ -66,8 +66,9 @@ class Scheduler:
     iteration_token_target: tokens per contended iteration beyond which they are shared by tier and
     weight (None: the token budget, i.e. never). lower_tier_token_target: tokens per iteration the
     lower tiers together may take while a higher tier has work (None: no limit; default 4;
-    worker/scheduling/decode_share.py). Raises ValueError on non-positive sizes (the core checks them: it
-    names max_num_batched_tokens chunk_tokens).
+    worker/scheduling/decode_share.py). max_partial_prefills: most requests in partial prefill at
+    once (None: no limit; `SchedulingCore`). Raises ValueError on non-positive sizes (the core checks
+    them: it names max_num_batched_tokens chunk_tokens).
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, block_manager: BlockManager,
@@ -75,7 +76,8 @@ class Scheduler:
                  max_skips: int = 8, clock: Callable[[], float] = time.monotonic,
                  quota: KVQuota | None = None, returning_preemption: bool = True,
                  tiers: TierShares | None = None, iteration_token_target: int | None = None,
-                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
+                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                 max_partial_prefills: int | None = None) -> None:
         self.cost = cost
         self.blocks = block_manager
         self.clock = clock
@@ -85,7 +87,8 @@ class Scheduler:
                                    prefill_slice=prefill_slice, max_skips=max_skips, quota=quota,
                                    returning=returning_preemption, tiers=tiers,
                                    iteration_token_target=iteration_token_target,
-                                   lower_tier_token_target=lower_tier_token_target)
+                                   lower_tier_token_target=lower_tier_token_target,
+                                   max_partial_prefills=max_partial_prefills)
 
     # ---- the core's Executor protocol -----------------------------------------------------------
     def admission_need(self, seq: Sequence) -> int:
