@@ -15,15 +15,25 @@ from typing import Awaitable, Callable
 log = logging.getLogger("fairshare.gateway")
 
 
+RECANCEL_INTERVAL_S = 0.5  # how long cancel_and_wait waits before it cancels a task again
+
+
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
-    """Cancel `task` (if any) and wait until it has finished; its result or error is discarded."""
+    """Cancel `task` (if any) and wait until it has finished; its result or error is discarded.
+
+    A task can swallow one cancellation: a loop that catches a library's error raised in place of
+    the ``CancelledError`` (grpc.aio's unary call, cancelled just as it fails, raises ``AioRpcError``)
+    goes round again. So the task is cancelled again every `RECANCEL_INTERVAL_S` seconds until it
+    has finished; a task that would never end otherwise (and the shutdown waiting on it) ends.
+    Cancelling the caller while it waits raises ``CancelledError`` as usual.
+    """
     if task is None:
         return
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):
-        pass
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=RECANCEL_INTERVAL_S)
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" warning
 
 
 class Background:
@@ -57,4 +67,4 @@ async def every(interval_s: Callable[[], float], step: Callable[[], Awaitable[ob
         await asyncio.sleep(interval_s())
 
 
-__all__ = ["Background", "cancel_and_wait", "every"]
+__all__ = ["Background", "RECANCEL_INTERVAL_S", "cancel_and_wait", "every"]

@@ -29,7 +29,7 @@ Gateway
                       [--redis-timeout-s 2] [--drain-timeout-s 10] [--request-timeout-s S]
                       [--tier-request-timeout-s interactive=600,batch=none] [--keepalive-interval-s 15]
                       [--worker-keys-file FILE] [--worker-token-ttl-s 60] [--no-worker-auth]
-                      [--max-body-bytes 8388608]
+                      [--max-body-bytes 8388608] [--body-timeout-s 30]
                       [--metrics-port 0] [--metrics-host 127.0.0.1]  # /metrics on an admin listener
                       [--metrics-token-file FILE] [--public-metrics]
                       [--default-max-tokens N | 'MODEL=N,*=M']  # chat output budget without max_tokens
@@ -47,6 +47,7 @@ Every flag has an environment variable read with pydantic-settings (flags win ov
 ``FAIRSHARE_ROUTE_PREFIX_TOKENS``, ``FAIRSHARE_ROUTE_LOAD_FACTOR``, ``FAIRSHARE_ROUTE_SLACK_TOKENS``,
 ``FAIRSHARE_ROUTE_SPILL_UNITS``, ``FAIRSHARE_REDIS_TIMEOUT_S``,
 ``FAIRSHARE_DRAIN_TIMEOUT_S``, ``FAIRSHARE_REQUEST_TIMEOUT_S``, ``FAIRSHARE_MAX_BODY_BYTES``,
+``FAIRSHARE_BODY_TIMEOUT_S``,
 ``FAIRSHARE_METRICS_PORT``, ``FAIRSHARE_METRICS_HOST``, ``FAIRSHARE_METRICS_TOKEN`` (the token itself),
 ``FAIRSHARE_METRICS_TOKEN_FILE``, ``FAIRSHARE_PUBLIC_METRICS``, ``FAIRSHARE_TIER_REQUEST_TIMEOUT_S``,
 ``FAIRSHARE_KEEPALIVE_INTERVAL_S``, ``FAIRSHARE_WORKER_KEYS`` (the keys themselves),
@@ -149,6 +150,7 @@ GATEWAY_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--no-worker-auth", "worker_auth", SWITCH_OFF, "send unsigned worker calls (only to workers started with --no-worker-auth; unsafe)"),
     ("--worker-token-ttl-s", "worker_token_ttl_s", float, "validity of each call's token in seconds (default 60)"),
     ("--max-body-bytes", "max_body_bytes", int, "larger request bodies get 413 (default 8 MiB)"),
+    ("--body-timeout-s", "body_timeout_s", float, "a request body not all there within this gets 408 and the connection is closed (default 30 s)"),
     ("--metrics-port", "metrics_port", int, "serve /metrics on an admin listener on this port (default 0: none)"),
     ("--metrics-host", "metrics_host", str, "address of the admin listener (default 127.0.0.1)"),
     ("--metrics-token-file", "metrics_token_file", str, "file holding a token that may read /metrics on the public port (Authorization: Bearer)"),

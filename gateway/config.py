@@ -79,9 +79,10 @@ class GatewaySettings(BaseSettings):
     lease_ttl_s: float = Field(default=15.0, gt=0)
     health_interval_s: float = Field(default=1.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)
-    max_n: int = Field(default=16, ge=1)
+    max_n: int = Field(default=16, ge=1, le=128)
     max_choices: int = Field(default=64, ge=1)  # prompts x n in one request
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    body_timeout_s: float = Field(default=30.0, gt=0)  # the whole request body must arrive within this (408)
     max_retries: int = Field(default=2, ge=0)
     log_level: str = "info"
     key_prefix: str = "fairshare"

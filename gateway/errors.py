@@ -95,6 +95,13 @@ def body_too_large(limit: int) -> APIError:
                     "request_too_large")
 
 
+def body_timeout(timeout_s: float) -> APIError:
+    """408 for a request body that did not arrive within `timeout_s` seconds (shorter than its
+    ``content-length``, or sent too slowly); the connection is closed."""
+    return APIError(408, f"The request body did not arrive within {timeout_s:g} s.", "invalid_request_error", None,
+                    "request_timeout", {"connection": "close"})
+
+
 def unavailable(message: str, retry_after_s: float | None = None) -> APIError:
     """503 ``server_error`` (no worker, Redis down, shutting down); with `retry_after_s`, the
     `retry_headers` of that wait."""

@@ -35,12 +35,12 @@ from fairshare.v1 import worker_pb2 as pb
 from . import schemas
 from .config import COMPLETIONS_DEFAULT_MAX_TOKENS, GatewaySettings
 from .deadlines import Deadline, request_deadline
-from .errors import (APIError, body_too_large, client_closed, from_validation_error, invalid_request,
+from .errors import (APIError, body_timeout, body_too_large, client_closed, from_validation_error, invalid_request,
                      model_not_found, unavailable)
 from .logprobs import TokenTexts
 from .routing import ModelEntry, WorkerPool
 from .structured import grammar_for
-from .tokenization import TemplateError
+from .tokenization import PromptTooLong, TemplateError
 from .tools import ToolCallParser, ToolCallStream, get_parser
 from .tracing import set_error
 
@@ -127,7 +127,7 @@ async def plan_request(gw, request: Request, kind: str, tenant: TenantConfig) ->
     if gw.draining:
         raise unavailable("The gateway is shutting down; please retry (another replica will serve you).",
                           retry_after_s=1)
-    body, size = await read_json_body(request, gw.settings.max_body_bytes)
+    body, size = await read_json_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout_s)
     try:
         req = schemas.validate_request(body, kind)
     except ValidationError as e:
@@ -150,20 +150,32 @@ async def plan_request(gw, request: Request, kind: str, tenant: TenantConfig) ->
     return GenerationPlan(kind, req, req.model, entry, output, deadline, prompts, n, max_tokens, cost, max_param)
 
 
-async def read_json_body(request: Request, limit: int) -> tuple[dict[str, Any], int]:
+async def read_json_body(request: Request, limit: int, timeout_s: float | None = None) -> tuple[dict[str, Any], int]:
     """The request's JSON object and its size in bytes. Raises APIError 400 (not JSON / not an
-    object) or 413 (over `limit` bytes)."""
+    object), 413 (over `limit` bytes) or 408 (the whole body not there within `timeout_s` seconds,
+    e.g. shorter than its ``content-length``: the connection is not held open for it)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise body_too_large(limit)
-    raw = bytearray()
-    try:
+
+    async def read() -> bytearray:
+        raw = bytearray()
         async for chunk in request.stream():
             raw += chunk
             if len(raw) > limit:
                 raise body_too_large(limit)
+        return raw
+
+    try:
+        if hasattr(asyncio, "timeout"):  # Python 3.11+: bounded in this task, no task of its own per request
+            async with asyncio.timeout(timeout_s):
+                raw = await read()
+        else:
+            raw = await asyncio.wait_for(read(), timeout_s)
     except ClientDisconnect:
         raise client_closed() from None
+    except asyncio.TimeoutError:
+        raise body_timeout(timeout_s or 0) from None
     try:
         text = bytes(raw).decode("utf-8")
     except UnicodeDecodeError as e:
@@ -269,21 +281,28 @@ async def _tokenize_traced(tracer, entry: ModelEntry, kind: str, req, plan: Outp
 
 
 def tokenize(entry: ModelEntry, kind: str, req, plan: OutputPlan) -> list[list[int]]:
-    """Token ids of each prompt (chat: one). Raises TemplateError, or APIError 400 for bad token ids."""
+    """Token ids of each prompt (chat: one). Raises TemplateError, or APIError 400 for bad token ids
+    and for a prompt sure to fill the context (``context_length_exceeded``, found from its length
+    before it is encoded: a prompt of megabytes costs no seconds of CPU to refuse)."""
     tok = entry.tokenizer
-    if kind == "chat":
-        return [tok.encode_chat(req.template_messages(), plan.tools or None, plan.tool_format)]
-    prompts = []
-    vocab = tok.vocab_size()
-    for p in req.prompts():
-        if isinstance(p, str):
-            prompts.append(tok.encode_text(p))
-        else:
-            if any(t >= vocab for t in p):
-                raise invalid_request(f"Invalid token id in 'prompt': ids must be < {vocab}.", "prompt",
-                                      "invalid_value")
-            prompts.append(list(p))
-    return prompts
+    limit = entry.max_context_tokens - 1  # a prompt must leave room for one output token
+    param = prompt_param(kind)
+    try:
+        if kind == "chat":
+            return [tok.encode_chat(req.template_messages(), plan.tools or None, plan.tool_format, limit=limit)]
+        prompts = []
+        vocab = tok.vocab_size()
+        for p in req.prompts():
+            if isinstance(p, str):
+                prompts.append(tok.encode_text(p, limit=limit))
+            else:
+                if any(t >= vocab for t in p):
+                    raise invalid_request(f"Invalid token id in 'prompt': ids must be < {vocab}.", "prompt",
+                                          "invalid_value")
+                prompts.append(list(p))
+        return prompts
+    except PromptTooLong as e:
+        raise context_error(entry.max_context_tokens, e.at_least, None, param, at_least=True) from None
 
 
 def output_budget(settings: GatewaySettings, tenant: TenantConfig, entry: ModelEntry, names: list[str],
@@ -317,12 +336,14 @@ def output_budget(settings: GatewaySettings, tenant: TenantConfig, entry: ModelE
     return max_tokens
 
 
-def context_error(ctx: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
-    """400 ``context_length_exceeded`` in OpenAI's wording (token counts in tokens)."""
+def context_error(ctx: int, prompt_len: int, max_tokens: int | None, param: str, at_least: bool = False) -> APIError:
+    """400 ``context_length_exceeded`` in OpenAI's wording (token counts in tokens; `at_least`: the
+    prompt's count is a lower bound, the prompt was refused before it was encoded)."""
     where = "messages" if param == "messages" else "prompt"
     if max_tokens is None or prompt_len >= ctx:
+        count = f"at least {prompt_len}" if at_least else f"{prompt_len}"
         msg = (f"This model's maximum context length is {ctx} tokens. However, your {where} resulted in "
-               f"{prompt_len} tokens. Please reduce the length of the {where}.")
+               f"{count} tokens. Please reduce the length of the {where}.")
     else:
         msg = (f"This model's maximum context length is {ctx} tokens. However, you requested "
                f"{prompt_len + max_tokens} tokens ({prompt_len} in the {where}, {max_tokens} in the completion). "

@@ -188,15 +188,16 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. A NaN or infinite number is refused as not finite
+    (JSON bodies may carry ``NaN`` / ``Infinity``), not as out of range."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=128)
+    n: int | None = Field(default=None, ge=1)  # the upper bound is the operator's max_n (gateway/plan.py)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None

@@ -3,29 +3,45 @@
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 import threading
 import time
 
 import uvicorn
 from fastapi import FastAPI
 
+log = logging.getLogger("fairshare.gateway")
+
+SHUTDOWN_CEILING_S = 30.0  # after the drain and uvicorn's grace: the process exits even if a step hangs
+
 
 class DrainingServer(uvicorn.Server):
     """uvicorn's server whose shutdown (SIGTERM, SIGINT) first starts the gateway's drain: no new
     admissions, open requests may finish for `drain_timeout_s` seconds, then they are stopped with an
     OpenAI error and settled (see `gateway.state.Gateway.begin_drain`). Configure uvicorn's
-    ``timeout_graceful_shutdown`` a little above `drain_timeout_s`."""
+    ``timeout_graceful_shutdown`` a little above `drain_timeout_s`.
 
-    def __init__(self, config: uvicorn.Config, drain_timeout_s: float = 10.0) -> None:
+    The shutdown is bounded: should any step of it hang (uvicorn waits on the app's lifespan without a
+    limit), `faulthandler` writes every thread's stack to stderr and exits the process with status 1
+    `shutdown_ceiling_s` seconds (default `SHUTDOWN_CEILING_S`) after uvicorn's grace, so an
+    orchestrator never waits on a stuck gateway and the log names where it stuck."""
+
+    def __init__(self, config: uvicorn.Config, drain_timeout_s: float = 10.0,
+                 shutdown_ceiling_s: float = SHUTDOWN_CEILING_S) -> None:
         super().__init__(config)
         self.drain_timeout_s = drain_timeout_s
+        self.shutdown_ceiling_s = shutdown_ceiling_s
 
     async def shutdown(self, sockets=None) -> None:
         app = self.config.app
         gw = getattr(getattr(app, "state", None), "gw", None)
         if gw is not None:
             gw.begin_drain(self.drain_timeout_s)
+        ceiling_s = max(self.drain_timeout_s, self.config.timeout_graceful_shutdown or 0) + self.shutdown_ceiling_s
+        faulthandler.dump_traceback_later(ceiling_s, exit=True)  # left armed: covers the interpreter's exit too
         await super().shutdown(sockets=sockets)
+        log.info("shutdown finished: open requests settled, workers and Redis closed")
 
 
 class ServerThread:

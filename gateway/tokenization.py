@@ -14,6 +14,8 @@ tokens (the template already holds them); raw completion prompts are encoded wit
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 import json
 from dataclasses import dataclass
@@ -31,6 +33,15 @@ from tokenizers import Tokenizer
 
 class TemplateError(ValueError):
     """The chat template refused the conversation (e.g. ``raise_exception`` in the template)."""
+
+
+class PromptTooLong(ValueError):
+    """A prompt has more than the allowed tokens, known without encoding it: ``at_least`` tokens
+    (`ChatTokenizer.min_tokens`) against ``limit``."""
+
+    def __init__(self, at_least: int, limit: int) -> None:
+        super().__init__(f"at least {at_least} tokens, over {limit}")
+        self.at_least, self.limit = at_least, limit
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -200,24 +211,59 @@ class ChatTokenizer:
             raise TemplateError(str(e)) from e
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    parser=None) -> list[int]:
+                    parser=None, limit: int | None = None) -> list[int]:
         """Token ids of the rendered conversation (special tokens come from the template only);
-        `tools` / `parser` as in `render_chat`."""
-        return self._encode(self.render_chat(messages, tools, parser), add_special_tokens=False)
+        `tools` / `parser` as in `render_chat`. Raises PromptTooLong, before encoding, when the
+        rendered text is sure to exceed `limit` tokens (None: no limit)."""
+        return self._encode(self.render_chat(messages, tools, parser), add_special_tokens=False, limit=limit)
 
-    def encode_text(self, text: str) -> list[int]:
-        """Token ids of a raw completion prompt, with the tokenizer's special tokens (e.g. BOS)."""
-        return self._encode(text, add_special_tokens=True)
+    def encode_text(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of a raw completion prompt, with the tokenizer's special tokens (e.g. BOS).
+        Raises PromptTooLong as `encode_chat`."""
+        return self._encode(text, add_special_tokens=True, limit=limit)
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool, limit: int | None = None) -> list[int]:
         """Token ids of `text`, computed without holding the GIL.
 
         `Tokenizer.encode` keeps the GIL for the whole encoding (seconds for a prompt of megabytes),
         so a thread running it (the gateway tokenizes large bodies with `asyncio.to_thread`) would
         still stop the event loop, and with it every other tenant's streams. `encode_batch` releases
         the GIL while it works and gives the same ids; a batch of one costs the same CPU.
+        A text sure to exceed `limit` tokens (`min_tokens`) raises PromptTooLong instead.
         """
+        if limit is not None and (at_least := self.min_tokens(text)) > limit:
+            raise PromptTooLong(at_least, limit)
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(_encode(text))`` (tokens) from the text's UTF-8 length alone, so a
+        prompt far over the context is refused without seconds of tokenizing it.
+
+        Each token stands for at most `max_token_bytes` bytes of the text it encodes (a byte-level
+        BPE token's string is its bytes; a SentencePiece ``▁`` or a ``<0x..>`` byte token is longer
+        than what it covers, added tokens count their content), so ``ceil(bytes / max_token_bytes)``
+        tokens at least. Sound only when nothing shortens the text before it is split: 0 (no bound)
+        when the tokenizer has a normalizer.
+        """
+        if self.tokenizer.normalizer is not None:
+            return 0
+        size = len(text.encode("utf-8", "surrogatepass"))
+        return -(-size // self.max_token_bytes)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """How many bytes of text one token can stand for at most (>= 1): the longest token string in
+        the vocabulary, added tokens included. Under a byte-level pre-tokenizer (GPT-2's ``Ġ`` alphabet)
+        each character of a vocabulary token is one byte of text; otherwise a token string's UTF-8
+        length bounds what it covers."""
+        spec = json.loads(self.files.tokenizer_json)
+        byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer"))
+        added = {t.get("content") for t in spec.get("added_tokens") or ()}
+
+        def covers(token: str) -> int:
+            return len(token) if byte_level and token not in added else len(token.encode("utf-8", "surrogatepass"))
+
+        return max(map(covers, self.tokenizer.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (special tokens skipped)."""

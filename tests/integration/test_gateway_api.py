@@ -181,4 +181,12 @@ def test_oversized_bodies_and_too_many_choices(gw):
     r = httpx.post(gw.base_url + "/v1/completions", headers=h, timeout=60,
                    json={"model": MODEL, "prompt": "word " * 20000, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "at least" not in r.json()["error"]["message"]  # short enough to bound loosely: encoded, exact count
+    # one of megabytes is refused from its length before it is encoded (no seconds of gateway CPU)
+    for path, body in (("/v1/completions", {"prompt": "word " * 400_000}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400_000}]})):
+        r = httpx.post(gw.base_url + path, headers=h, timeout=60, json={"model": MODEL, "max_tokens": 1, **body})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text[:300]
+        assert "resulted in at least" in err["message"] and err["param"] == ("prompt" if "prompt" in body else "messages")
     assert gw.leases("api-a") == {}

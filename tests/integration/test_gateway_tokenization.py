@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -10,10 +11,13 @@ import time
 
 import grpc
 import pytest
+from hypothesis import given
+from hypothesis import settings as hyp_settings
+from hypothesis import strategies as st
 
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
-from gateway.tokenization import ChatTokenizer, TemplateError, TokenizerFiles, compile_chat_template
+from gateway.tokenization import ChatTokenizer, PromptTooLong, TemplateError, TokenizerFiles, compile_chat_template
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
@@ -28,6 +32,11 @@ CONVERSATIONS = [
 def info(worker_addr) -> pb.ModelInfo:
     with grpc.insecure_channel(worker_addr, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
         return pb_grpc.WorkerStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(info) -> ChatTokenizer:
+    return ChatTokenizer(TokenizerFiles(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token))
 
 
 def test_matches_hf_apply_chat_template(info):
@@ -45,6 +54,41 @@ def test_matches_hf_apply_chat_template(info):
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         assert ours.encode_chat(conv) == list(ids)
     assert ours.encode_text("Once upon a time") == hf("Once upon a time")["input_ids"]
+
+
+LONG_RUNS = [" " * 500, "\n" + " " * 300, "\t" * 200, "\n" * 200, "<|im_start|>" * 40, "<|im_end|>\n" * 30,
+             "a" * 400, "🚀" * 100, "你好" * 150, "def f(x):\n    return x  # " * 20, "\u200b" * 50, "é" * 300]
+
+
+@hyp_settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=80), st.sampled_from(LONG_RUNS)), max_size=6).map("".join))
+def test_min_tokens_never_exceeds_the_real_encoding(real_tokenizer, text):
+    """The length bound the gateway refuses over-context prompts with is a lower bound of the real
+    SmolLM2 tokenizer's count, for raw text and for the rendered chat (code, CJK, emoji, whitespace runs,
+    special-token text, zero-width characters)."""
+    tok = real_tokenizer
+    assert tok.min_tokens(text) <= len(tok.encode_text(text))
+    rendered = tok.render_chat([{"role": "user", "content": text}])
+    assert tok.min_tokens(rendered) <= len(tok.encode_chat([{"role": "user", "content": text}]))
+
+
+def test_min_tokens_is_tight_enough_to_matter_and_refuses_before_encoding(real_tokenizer):
+    tok = real_tokenizer
+    assert tok.max_token_bytes == 81  # SmolLM2's longest token: a newline and 80 spaces (byte-level)
+    text = "word " * 400_000  # 2 MB
+    assert tok.min_tokens(text) == -(-len(text) // 81)
+    with pytest.raises(PromptTooLong) as e:
+        tok.encode_text(text, limit=2047)
+    assert e.value.at_least == tok.min_tokens(text) and e.value.limit == 2047
+    assert tok.encode_text("word " * 100, limit=2047) == tok.encode_text("word " * 100)  # under it: encoded as usual
+
+
+def test_no_bound_when_a_normalizer_may_shorten_the_text():
+    spec = json.loads(WORD_LEVEL_JSON)
+    spec["normalizer"] = {"type": "Strip", "strip_left": True, "strip_right": True}
+    tok = ChatTokenizer(TokenizerFiles(json.dumps(spec), ""))
+    assert tok.min_tokens("a" + " " * 10_000) == 0
+    assert tok.encode_text(" " * 10_000 + "a", limit=1) == [1]
 
 
 def test_sha_agrees_with_worker(info):

@@ -44,7 +44,7 @@ HELLO = [{"role": "user", "content": "Hello, how are you?"}]
 
 # -- waiting -----------------------------------------------------------------------------------------
 
-def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+def wait_until(pred: Callable[[], Any], what: str | Callable[[], str], timeout_s: float = DEFAULT_TIMEOUT_S,
                interval_s: float = 0.05) -> float:
     """Poll `pred` until truthy (a probe that raises is "not yet"); return the seconds it took (for
     the report, never asserted). AssertionError naming `what` after `timeout_s` (a hang's ceiling)."""
@@ -268,6 +268,10 @@ class GatewayProcess(_TenantClients):
         if not self._log.closed:
             self._log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 25) -> str:
+        """The last `lines` lines of the gateway's log (for a wait's failure message)."""
+        return "\n".join(self.log().splitlines()[-lines:])
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -111,10 +111,11 @@ def test_gateway_sigterm_finishes_open_streams_then_stops_the_rest(workers, redi
         assert short.status_code == long.status_code == 200
         t_term = time.monotonic()
         g.term()
+        wait_until(lambda: "draining:" in g.log(), "the gateway logged the start of its drain")
         # the short stream finishes normally
         events, done = read_stream(short)
         assert done and events[-1]["choices"][0]["finish_reason"] == "length"
-        # nothing new is accepted: the listener is closed (or, in the instant before, 503)
+        # nothing new is accepted: the listener is closed (or, in the instant before it closes, 503)
         try:
             resp = httpx.post(g.base_url + "/v1/chat/completions", headers=g.headers("gt"), timeout=5,
                               json={"model": MODEL, "messages": HELLO, "max_tokens": 2})
@@ -128,7 +129,8 @@ def test_gateway_sigterm_finishes_open_streams_then_stops_the_rest(workers, redi
         err = assert_error_object(events[-1])
         assert "shutting down" in err["message"] and err["code"] == "service_unavailable"
         assert t_stop >= 2.5, t_stop  # not before the drain deadline (a lower bound: a slow machine only adds)
-        wait_until(lambda: g.proc.poll() is not None, "the gateway exited after its drain")
+        wait_until(lambda: g.proc.poll() is not None,
+                   lambda: f"the gateway exited after its drain; its log ends:\n{g.log_tail()}")
         t_exit = time.monotonic() - t_term
         assert lease_state(r, prefix, "gt") == (set(), set())  # settled before exiting, not left to expire
         wait_until(lambda: idle(workers.addrs[1]), "the worker aborted the stopped stream")

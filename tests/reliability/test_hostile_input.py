@@ -7,12 +7,15 @@
 - Explicit cases: a body over the configured size (413, with and without ``content-length``),
   invalid UTF-8, lone surrogates, absurd nesting, negative/absurd/mistyped ``max_tokens``, huge ``n``,
   too many stop strings, unknown fields (top level, in a message, in ``stream_options``), wrong types,
-  out-of-range extension values: each a clear 400 naming the parameter.
+  out-of-range extension values: each a clear 400 naming the parameter; a body shorter than its
+  ``content-length`` (408, the connection closed, not held open).
 """
 
 from __future__ import annotations
 
 import json
+import socket
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -197,6 +200,49 @@ def test_hostile_fields_are_clear_400s(gw, extra, param, code):
     err = assert_error_response(post(gw, body), 400)
     assert (err["param"], err["code"]) == (param, code), err
     assert err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "frequency_penalty", "presence_penalty"])
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_number_is_named_as_such_not_as_out_of_range(gw, field, literal):
+    content = ('{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "%s": %s}'
+               % (MODEL, field, literal)).encode()
+    err = assert_error_response(post(gw, content=content), 400)
+    assert (err["param"], err["code"]) == (field, "invalid_value") and "finite number" in err["message"], err
+
+
+def test_every_n_over_the_bound_gets_the_same_message(gw):
+    """n is bounded once, by the operator's max_n (16 by default), whatever the size of n."""
+    messages = set()
+    for n in (17, 128, 129, 10**6):
+        err = assert_error_response(post(gw, {"model": MODEL, "messages": HELLO, "max_tokens": 2, "n": n}), 400)
+        assert (err["param"], err["code"]) == ("n", "invalid_value"), err
+        messages.add(err["message"])
+    assert messages == {"Invalid value for 'n': at most 16 choices per request."}
+
+
+@pytest.mark.parametrize("sent", [b'{"model": "', b""])
+def test_a_body_shorter_than_its_content_length_is_a_408_and_the_connection_closes(two_workers, redis_url, tmp_path,
+                                                                                    sent):
+    """A client that declares more body than it sends (a slow or broken client, or slowloris) gets a
+    408 once the body timeout passes, and the gateway closes the connection instead of holding it."""
+    g = InProcessGateway(tmp_path, [{"id": "hx"}], two_workers.addrs, redis_url, body_timeout_s=0.5).wait_ready()
+    try:
+        url = urlsplit(g.base_url)
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {url.netloc}\r\nauthorization: Bearer {g.keys['hx']}"
+                f"\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n").encode()
+        with socket.create_connection((url.hostname, url.port), timeout=120) as conn:  # a hang's ceiling
+            conn.sendall(head + sent)
+            answer = b""
+            while chunk := conn.recv(65536):  # ends only when the gateway closes the connection
+                answer += chunk
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.startswith(b"HTTP/1.1 408"), answer[:300]
+        err = assert_error_object(json.loads(rest.partition(b"\r\n\r\n")[2]))
+        assert (err["code"], err["type"]) == ("request_timeout", "invalid_request_error"), err
+        assert lease_state(g.redis_client(), g.prefix, "hx") == (set(), set())  # nothing was admitted
+    finally:
+        g.stop()
 
 
 def test_text_completion_hostile_fields(gw):
