@@ -75,7 +75,7 @@ class SkewRow:
         i, j, since, peak = self.witness
         text = f"{i} vs {j}, co-backlogged from {since:.1f} s, peak at {peak:.1f} s"
         if self.longest_wait is not None:
-            text += f"; {self.longest_wait[0]} (behind) waited up to {self.longest_wait[1]:.1f} s for a slot"
+            text += f"; {self.longest_wait[0]} (behind) queued up to {self.longest_wait[1]:.1f} s"
         return text
 
 
