@@ -65,7 +65,7 @@ class SkewRow:
     # of their co-backlogged stretch and when it peaked (s); None without co-backlogged pairs
     witness: tuple[str, str, float, float] | None = None
     # the tenant of the pair that got less in that stretch and the longest queue time (s) of its
-    # requests that arrived in it: a request waiting for a slot while its rival is served elsewhere
+    # requests queued during it: a request waiting for a slot while its rival is served elsewhere
     longest_wait: tuple[str, float] | None = None
 
     def where(self) -> str:
@@ -128,8 +128,8 @@ def _skew_row(label: str, res: PoolResult) -> SkewRow:
 
 def _longest_wait(res: PoolResult, witness) -> tuple[str, float] | None:
     """(tenant, queue time s) for the witness's pair: of the tenant that got less weighted service over
-    the stretch, the longest queue time of its requests that arrived in it (one not admitted by the
-    window's end counts as waiting until then), or None."""
+    the stretch, the longest queue time of its requests that were queued during it (one not admitted
+    by the window's end counts as queued until then), or None."""
     if witness is None:
         return None
     i, j, since, peak = witness
@@ -141,7 +141,7 @@ def _longest_wait(res: PoolResult, witness) -> tuple[str, float] | None:
     behind = min(got, key=lambda t: (got[t], t))
     t1 = res.window[1]
     waits = [(r.admitted if r.admitted is not None else t1) - r.arrival for r in res.log.requests.values()
-             if r.tenant_id == behind and since <= r.arrival <= peak]
+             if r.tenant_id == behind and r.arrival <= peak and (r.admitted is None or r.admitted >= since)]
     return (behind, max(waits)) if waits else None
 
 
