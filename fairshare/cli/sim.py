@@ -161,11 +161,11 @@ def cmd_run(argv: list[str]) -> int:
     _print_run(base, res.workers[0].engine, res.config, tm, scale, cap, res.iterations, res.end_s, m)
     print(f"pool: {args.workers} worker(s), routing {res.routing_policy.describe()}; pool-wide counters "
           f"{'on' if res.pool_counters else 'off'}; pool-wide prefix hit rate {res.hit_rate:.3f} "
-          f"({res.hit_tokens} of {res.prompt_tokens} prompt tokens cached); queue p99 {res.queue_percentile(99):.3f} s; "
+          f"({res.prefix_hits.hit_tokens} of {res.prefix_hits.lookup_tokens} prompt tokens cached); queue p99 {res.queue_percentile(99):.3f} s; "
           f"{res.spills} spills")
     for w in res.workers:
-        rate = w.hit_tokens / w.prompt_tokens if w.prompt_tokens else float("nan")
-        print(f"  worker {w.route_id}: {w.requests} requests, hit rate {rate:.3f}, {w.runner.steps} iterations")
+        print(f"  worker {w.route_id}: {w.requests} requests, hit rate {w.prefix_hits.hit_rate:.3f}, "
+              f"{w.runner.steps} iterations")
     return 0
 
 

@@ -35,18 +35,25 @@ MAX_TOKENS = 1500
 @pytest.fixture(scope="module")
 def gw(two_workers, redis_url, tmp_path_factory):
     two_workers.ensure_alive()
-    g = InProcessGateway(tmp_path_factory.mktemp("gw"), [{"id": "ep", "limits": {"tpm": TPM}}], two_workers.addrs,
-                         redis_url, request_timeout_s=2.0).wait_ready()
+    # only the gateway-timeout path runs under a short deadline (its tenant's own); the others have none
+    # that a loaded machine could reach before the fault they test
+    tenants = [{"id": "ep", "limits": {"tpm": TPM}}, {"id": "ept", "limits": {"tpm": TPM}, "request_timeout_s": 2.0}]
+    g = InProcessGateway(tmp_path_factory.mktemp("gw"), tenants, two_workers.addrs, redis_url).wait_ready()
     yield g
     g.stop()
 
 
-def used_tokens(gw: InProcessGateway) -> float:
+def tenant_of(path: str) -> str:
+    """The tenant a path's request is sent as: the one with a 2 s deadline for the gateway timeout."""
+    return "ept" if path == "gateway_timeout" else "ep"
+
+
+def used_tokens(gw: InProcessGateway, tenant: str) -> float:
     total = 0.0
     for fam in gw.gw.metrics.registry.collect():
         if fam.name == "fairshare_gateway_tokens":
             total += sum(s.value for s in fam.samples if s.name.endswith("_total")
-                         and s.labels.get("tenant") == "ep" and s.labels.get("kind") in ("prompt", "completion"))
+                         and s.labels.get("tenant") == tenant and s.labels.get("kind") in ("prompt", "completion"))
     return total
 
 
@@ -67,13 +74,14 @@ def run_path(gw: InProcessGateway, path: str, stream: bool) -> str:
     http = httpx.Client(timeout=60)
     url = gw.base_url + "/v1/chat/completions"
     body = dict(BODY)
+    tenant = tenant_of(path)
     try:
         if path == "client_cancel":  # (streams: in the test itself)
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(url, headers=gw.headers("ep"), json=body, timeout=0.5)
+                httpx.post(url, headers=gw.headers(tenant), json=body, timeout=0.5)
             return "client timed out after 0.5 s"
         if stream:
-            s = open_stream(http, gw.base_url, gw.keys["ep"], body)
+            s = open_stream(http, gw.base_url, gw.keys[tenant], body)
             if s.status_code != 200:
                 s.read()
                 err = assert_error_response(s)
@@ -82,7 +90,7 @@ def run_path(gw: InProcessGateway, path: str, stream: bool) -> str:
             assert not done and events, events
             err = assert_error_object(events[-1])
             return f"200, then error event {err['code']}"
-        resp = http.post(url, headers=gw.headers("ep"), json=body)
+        resp = http.post(url, headers=gw.headers(tenant), json=body)
         err = assert_error_response(resp)
         return f"{resp.status_code} {err['code']}"
     finally:
@@ -94,18 +102,19 @@ def run_path(gw: InProcessGateway, path: str, stream: bool) -> str:
                                   "rejected_after_admission"])
 def test_error_path_releases_lease_and_refunds_unused(gw, workers, path, stream):
     r = redis.Redis.from_url(gw.redis_url)
-    tpm_key = f"{gw.prefix}:{{ep}}:tpm"
+    tenant = tenant_of(path)
+    tpm_key = f"{gw.prefix}:{{{tenant}}}:tpm"
     wait_until(lambda: not gw.gw.live, "previous requests settled")
     for i in range(2):  # the request may go to either worker
-        workers.control(i).inject(tenant="ep", **FAULTS[path])
-    before_used = used_tokens(gw)
+        workers.control(i).inject(tenant=tenant, **FAULTS[path])
+    before_used = used_tokens(gw, tenant)
     s, us = r.time()
     ts0 = s * 1000 + us / 1000
     r.hset(tpm_key, mapping={"t": repr(SEED), "ts": repr(ts0)})
 
     if path == "client_cancel" and stream:  # read two chunks, then go away
         http = httpx.Client(timeout=60)
-        st = open_stream(http, gw.base_url, gw.keys["ep"], BODY)
+        st = open_stream(http, gw.base_url, gw.keys[tenant], BODY)
         n = 0
         for line in st.iter_lines():
             n += line.startswith("data:")
@@ -124,8 +133,8 @@ def test_error_path_releases_lease_and_refunds_unused(gw, workers, path, stream)
         assert "service_unavailable" in seen, seen
 
     wait_until(lambda: not gw.gw.live and not gw.gw.control.live, "settled")
-    assert lease_state(r, gw.prefix, "ep") == (set(), set())
-    used = used_tokens(gw) - before_used
+    assert lease_state(r, gw.prefix, tenant) == (set(), set())
+    used = used_tokens(gw, tenant) - before_used
     t, ts = (float(x) for x in r.hmget(tpm_key, ["t", "ts"]))
     expected = SEED + (ts - ts0) * RATE - used
     assert t == pytest.approx(expected, abs=1e-3), (t, expected, used)

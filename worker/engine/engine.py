@@ -51,7 +51,8 @@ class EngineConfig:
     LinearCost) or `profiled` (profile = (a, b, c, d, e), see ProfiledCost). drr_quantum: DRR
     quantum, service units. max_num_batched_tokens: token budget per iteration = prefill chunk
     size. prefill_slice: tokens per policy pick when the prefill budget is split among tenants.
-    max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
+    max_partial_prefills: most requests in partial (chunked) prefill at once (None: no limit;
+    worker/scheduling/core.py; SGLang's scheduler has 1). max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
     admitted sequences. block_size: tokens per KV block. num_kv_blocks: pool size (None: from
     kv_cache_mb, and without it from max_running and the context: `plan_kv_pool` in
     worker/engine/model_runner.py). max_model_len: context limit (None: the model's).
@@ -91,6 +92,7 @@ class EngineConfig:
     drr_quantum: float = 512.0
     max_num_batched_tokens: int = 512
     prefill_slice: int = 16
+    max_partial_prefills: int | None = None
     max_skips: int = 8
     max_running: int = 64
     block_size: int = 16
@@ -213,7 +215,8 @@ class Engine:
                                    clock=self.clock, quota=self.quota,
                                    returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
                                    tiers=self.tiers, iteration_token_target=cfg.iteration_token_target,
-                                   lower_tier_token_target=cfg.lower_tier_token_target or None)
+                                   lower_tier_token_target=cfg.lower_tier_token_target or None,
+                                   max_partial_prefills=cfg.max_partial_prefills)
         self.pool = PoolCounters()  # pool-wide counters; inert until another worker's report arrives
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
@@ -675,12 +678,12 @@ class Engine:
             return snap
         st = cache.stats
         snap.update(cache_blocks=cache.num_blocks, cache_public_blocks=cache.num_public_blocks,
-                    cache_hit_tokens=st.hit_tokens, cache_lookup_tokens=st.lookup_tokens,
+                    cache_hit_tokens=st.tokens.hit_tokens, cache_lookup_tokens=st.tokens.lookup_tokens,
                     cache_evictable_blocks=cache.num_evictable)
         for t in snap["tenants"]:
             tid = t["tenant_id"]
             t["cache_blocks"] = cache.footprint(tid)
-            t["cached_prompt_tokens"] = st.hit_tokens_by_tenant.get(tid, 0)
+            t["cached_prompt_tokens"] = st.by_tenant[tid].hit_tokens if tid in st.by_tenant else 0
         return snap
 
     def _snapshot(self) -> dict:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fairshare.checks import require_at_least
 from worker.engine.weights import make_embedding, make_linear, resolve_format, weight_bytes
 
 __all__ = ["ForwardItem", "ModelRunner", "KVPoolPlan", "plan_kv_pool"]
@@ -125,8 +126,7 @@ def plan_kv_pool(model, block_size: int, dtype: torch.dtype, max_running: int, m
     never be used at once. That is capped at KV_MEMORY_FRACTION of `memory_bytes` (default: the
     cgroup limit or physical RAM), but never below one full-context sequence.
     Raises ValueError on sizes < 1."""
-    if block_size < 1 or max_running < 1:
-        raise ValueError("block_size and max_running must be >= 1")
+    require_at_least(1, block_size=block_size, max_running=max_running)
     per_block = ModelRunner.kv_bytes_per_block(model, block_size, dtype)
     context = int(max_model_len or model.max_context_tokens)
     if kv_cache_mb is not None:
@@ -161,8 +161,7 @@ class ModelRunner:
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, device: str = "cpu",
                  dtype: str | torch.dtype | None = "auto", quantization: str | None = "auto") -> None:
-        if num_kv_blocks < 1 or block_size < 1:
-            raise ValueError("num_kv_blocks and block_size must be >= 1")
+        require_at_least(1, num_kv_blocks=num_kv_blocks, block_size=block_size)
         if not model.state_dict:
             raise ValueError(f"model {model.name!r} was loaded without weights")
         self.device = torch.device(device)
