@@ -238,15 +238,21 @@ def _model_routes(app: FastAPI) -> None:
 
 
 def _completion_routes(app: FastAPI) -> None:
-    """``/v1/chat/completions`` and ``/v1/completions`` (gateway/completion.py)."""
+    """``/v1/chat/completions`` and ``/v1/completions`` (gateway/completion.py).
 
-    @app.post("/v1/chat/completions")
+    Plain Starlette routes: the handlers take the raw request and return a response, so FastAPI's
+    per-request dependency solving and exit stacks would do nothing but cost CPU on the hottest path
+    (the app's exception handlers and middleware still apply; the OpenAPI document is gateway/openapi.py).
+    """
+
     async def chat_completions(request: Request):
         return await serve(_gw(request), request, "chat")
 
-    @app.post("/v1/completions")
     async def completions(request: Request):
         return await serve(_gw(request), request, "text")
+
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
+    app.add_route("/v1/completions", completions, methods=["POST"], include_in_schema=False)
 
 
 __all__ = ["create_app"]

@@ -78,7 +78,10 @@ async def _start_within_grace(session: Session, req, span: trace.Span) -> None:
 async def _start_and_wait(session: Session, req, span: trace.Span) -> None:
     """A non-streamed request's start, in the handler's task (the span ends with it)."""
     try:
-        with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+        if span.get_span_context().is_valid:
+            with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+                await session.until_started(_start_all(session, req))
+        else:  # untraced: nothing to make current
             await session.until_started(_start_all(session, req))
     except BaseException as e:
         set_error(span, e.code if isinstance(e, APIError) else

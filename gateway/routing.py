@@ -487,23 +487,25 @@ def route_request(request: pb.GenerateRequest, cost: int) -> RouteRequest:
                         int(cost), TIER_NAMES.get(t.tier, "interactive"))
 
 
+@dataclass(eq=False)
 class Generation:
     """A ``Generate`` stream that has produced its first token (or finished) on one worker.
 
+    worker: where it runs. call: the ``grpc.aio`` Generate call. request_id: the attempt's id.
+    cost: tokens counted on the worker while it runs. pending: messages already read (they come
+    first). span: the attempt's ``gateway.worker_call`` span.
     Iterate it for the remaining `GenerateResponse` messages (the ones already read come first).
     `cancel()` cancels the gRPC call (the worker aborts). `close()` releases the worker's load count
     and ends the attempt's span.
     """
 
-    def __init__(self, worker: WorkerClient, call, request_id: str, cost: int,
-                 pending: list[pb.GenerateResponse], span: trace.Span | None = None) -> None:
-        self.worker = worker
-        self.call = call
-        self.request_id = request_id
-        self.cost = cost
-        self.pending = pending
-        self.closed = False
-        self.span = span or trace.INVALID_SPAN
+    worker: WorkerClient
+    call: grpc.aio.UnaryStreamCall
+    request_id: str
+    cost: int
+    pending: list[pb.GenerateResponse]
+    span: trace.Span = trace.INVALID_SPAN
+    closed: bool = field(default=False, init=False)
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
         """All messages of the stream. Raises grpc.aio.AioRpcError / asyncio.CancelledError on failure."""
@@ -602,9 +604,11 @@ def _call_worker(w: WorkerClient, request: pb.GenerateRequest, attempt: int, cos
                  parent, deadline: float | None, signer) -> Generation:
     """Open attempt number `attempt` of `request` on `w` (request id ``<id>.r<attempt>`` after the first),
     in a ``gateway.worker_call`` span, counting `cost` tokens on the worker; signed and traced."""
-    req = pb.GenerateRequest()
-    req.CopyFrom(request)
-    req.request_id = request.request_id if attempt == 0 else f"{request.request_id}.r{attempt}"
+    req = request
+    if attempt:  # a retry: a copy under its own id (the first attempt sends the request as built)
+        req = pb.GenerateRequest()
+        req.CopyFrom(request)
+        req.request_id = f"{request.request_id}.r{attempt}"
     w.local_inflight += cost
     span = tracer.start_span("gateway.worker_call", context=parent, kind=SpanKind.CLIENT, attributes={
         "rpc.system": "grpc", "rpc.service": WORKER_SERVICE, "rpc.method": "Generate",

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -260,7 +260,7 @@ async def admit(gw, principal: Principal, plan: GenerationPlan, t0: float) -> Se
     ``retry-after`` and ``x-ratelimit-*`` headers), 400 (it could never fit), 503 (Redis is down and the
     tenant's tier fails closed)."""
     tenant = principal.tenant
-    rid = ("chatcmpl-" if plan.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+    rid = ("chatcmpl-" if plan.kind == "chat" else "cmpl-") + secrets.token_hex(16)  # 32 hex digits, as uuid4().hex gave
     decision = await _decide(gw, tenant, plan, rid)
     if not decision.admitted:
         raise _refusal(gw, tenant, plan, decision)

@@ -15,7 +15,6 @@ tokens (the template already holds them); raw completion prompts are encoded wit
 from __future__ import annotations
 
 import functools
-
 import hashlib
 import json
 from dataclasses import dataclass
@@ -102,9 +101,10 @@ class TokenizerFiles:
     bos_token: str = ""
     eos_token: str = ""
 
-    @property
+    @functools.cached_property
     def sha256(self) -> str:
-        """sha256 of tokenizer_json + chat_template."""
+        """sha256 of tokenizer_json + chat_template (computed once: a tokenizer JSON is megabytes, and
+        every response names it in ``system_fingerprint``)."""
         return tokenizer_sha256(self.tokenizer_json, self.chat_template)
 
     def sha256_variants(self) -> set[str]:

@@ -55,7 +55,12 @@ class RequestWatch:
             task = asyncio.current_task()
             if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11 counts cancellations
                 task.uncancel()
-        await self._settle()
+        try:
+            await self._settle()
+        finally:
+            # the request is over: hold nothing of it (its session holds this watch, so these
+            # references made every request a reference cycle, left to the garbage collector)
+            self._receive = self._on_gone = self._settle = None
 
     async def close(self) -> None:
         """End the watch and wait until the request is settled (idempotent; settlement completes even

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from fairshare import worker_auth
 from fairshare.local_redis import start_redis
 from fairshare.ports import free_port
 from gateway.app import create_app
@@ -75,7 +76,8 @@ def main() -> int:
             tf.write_text(json.dumps({"tenants": [{"id": "t", "limits": {"rpm": 10**8, "tpm": 10**10}}]}))
             key, _ = create_key(b"s" * 32, "t", Path(tmp) / "tenants.keys.yaml")
             settings = GatewaySettings(tenants_file=tf, workers=[echo.addr], secret="s" * 32,
-                                       redis_url=f"redis://127.0.0.1:{rport}/0", health_timeout_s=10)
+                                       redis_url=f"redis://127.0.0.1:{rport}/0", health_timeout_s=10,
+                                       worker_keys=worker_auth.new_key_text("tasks").strip())  # signs as in production
             server = ServerThread(with_factory(create_app(settings))).start()
             try:
                 run(server.base_url, key, args)

@@ -358,23 +358,29 @@ def resident_mb() -> float:
 
 
 def resident_mb_of(tensor) -> float | None:
-    """MiB of `tensor`'s memory that is resident (Rss of the mappings it lies in, /proc/self/smaps);
-    None where that is not available."""
+    """MiB of `tensor`'s own memory that is resident: its pages, counted by mincore(2) (the kernel
+    merges adjacent anonymous mappings, so the Rss of the mapping a tensor lies in may count its
+    neighbours too). None where mincore is not available."""
+    import ctypes
+    import mmap
+
+    size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        return 0.0
     start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    total, inside = 0, False
+    lo = start - start % mmap.PAGESIZE
+    length = start + size - lo
+    vec = ctypes.create_string_buffer(-(-length // mmap.PAGESIZE))
     try:
-        with open("/proc/self/smaps", encoding="ascii", errors="replace") as f:
-            for line in f:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo < end and hi > start
-                elif inside and head == "Rss:":
-                    total += int(line.split()[1])
-    except (OSError, ValueError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        if libc.mincore(lo, length, vec) != 0:
+            return None
+    except (OSError, AttributeError):
         return None
-    return total / 1024
+    pages = vec.raw
+    resident = len(pages) - pages.count(0)  # bit 0 of each byte: the page is resident
+    return resident * mmap.PAGESIZE / 2**20
 
 
 def startup_summary(engine) -> str:

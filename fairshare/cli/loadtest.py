@@ -42,6 +42,7 @@ from pathlib import Path
 
 import yaml
 
+from fairshare.cli.scrape import add_metrics_url_options
 from loadtests.up_process import UpNotReady, UpProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -261,8 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="YAML/JSON file {tenant: api key} (else FAIRSHARE_LOADTEST_KEYS / FAIRSHARE_KEY_<TENANT>)")
     remote.add_argument("--worker", action="append", default=[], metavar="HOST:PORT",
                         help="a worker's gRPC address for GetLoad (repeat for each worker)")
-    remote.add_argument("--worker-metrics", action="append", default=[], metavar="URL",
-                        help="a worker's Prometheus URL, e.g. http://worker-0:9101/metrics (repeatable)")
+    add_metrics_url_options(remote, gateway=False)
     remote.add_argument("--policy-label", default=None,
                         help="name of the deployed policy in the report (default: read from the workers, "
                              "else `deployed`)")

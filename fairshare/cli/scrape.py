@@ -15,6 +15,18 @@ Labels = tuple[tuple[str, str], ...]
 Samples = dict[tuple[str, Labels], float]
 
 
+def add_metrics_url_options(parser, *, gateway: bool) -> None:
+    """Add the repeatable ``--worker-metrics URL`` option (with `gateway`, ``--gateway-metrics URL``
+    too) to `parser` (an ``argparse`` parser or argument group): the /metrics URLs `fairshare top` and
+    `fairshare loadtest` scrape, each collected into a list (``args.worker_metrics``,
+    ``args.gateway_metrics``; empty when not given)."""
+    if gateway:
+        parser.add_argument("--gateway-metrics", action="append", default=[], metavar="URL",
+                            help="a gateway's admin /metrics URL (repeatable), e.g. http://gateway:9100/metrics")
+    parser.add_argument("--worker-metrics", action="append", default=[], metavar="URL",
+                        help="a worker's Prometheus /metrics URL (repeatable), e.g. http://worker-0:9101/metrics")
+
+
 def parse(text: str) -> Samples:
     """Every sample of a text exposition (``*_created`` timestamps left out)."""
     from prometheus_client.parser import text_string_to_metric_families

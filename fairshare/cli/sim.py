@@ -8,6 +8,7 @@
                                [--pool-counters auto|on|off] [--load 0.8] [--duration S]
     fairshare sim report [--workloads all|a,b] [--policies vtc,drr,fcfs] [--out docs/fairness-report.md]
                          [--img-dir docs/img] [--profile PATH] [--seed 0] [--rate-scale auto|X] [--no-pool]
+    fairshare sim skew [--seeds 0-4] [--profile PATH] [--rate-scale auto|X]
 
 `calibrate` fits the iteration time model `a + b·prefill_tokens + c·batch_size + d·context_tokens`
 from the real runner on this machine (needs torch; `--device cuda` on a GPU) and saves it as JSON.
@@ -20,7 +21,9 @@ prints the benchmark figures; the priority-tier workloads (`tiers`, `tiers-heavy
 with tiers, with tiers and an iteration token target, tier-blind and under FCFS, and the
 memory-isolation workloads (`memory-flood`) with KV quotas off and on, each written as their own
 sections (not in the fairness summary); then the pool section (prefix hit rates on 4 and 8 workers,
-fairness under a skewed overload; loadtests/reports/pool.py). Every command that
+fairness under a skewed overload; loadtests/reports/pool.py). `skew` runs that skewed overload at
+several seeds and prints one row per seed (fair, single-worker VTC, per-worker VTC, FCFS, the two
+checks, and where fair's max difference builds up). Every command that
 reports prints the cost function and weights.
 `run` and `report` import no torch.
 """
@@ -158,11 +161,11 @@ def cmd_run(argv: list[str]) -> int:
     _print_run(base, res.workers[0].engine, res.config, tm, scale, cap, res.iterations, res.end_s, m)
     print(f"pool: {args.workers} worker(s), routing {res.routing_policy.describe()}; pool-wide counters "
           f"{'on' if res.pool_counters else 'off'}; pool-wide prefix hit rate {res.hit_rate:.3f} "
-          f"({res.hit_tokens} of {res.prompt_tokens} prompt tokens cached); queue p99 {res.queue_percentile(99):.3f} s; "
+          f"({res.prefix_hits.hit_tokens} of {res.prefix_hits.lookup_tokens} prompt tokens cached); queue p99 {res.queue_percentile(99):.3f} s; "
           f"{res.spills} spills")
     for w in res.workers:
-        rate = w.hit_tokens / w.prompt_tokens if w.prompt_tokens else float("nan")
-        print(f"  worker {w.route_id}: {w.requests} requests, hit rate {rate:.3f}, {w.runner.steps} iterations")
+        print(f"  worker {w.route_id}: {w.requests} requests, hit rate {w.prefix_hits.hit_rate:.3f}, "
+              f"{w.runner.steps} iterations")
     return 0
 
 
@@ -249,7 +252,52 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
-_SUB = {"list": cmd_list, "calibrate": cmd_calibrate, "run": cmd_run, "report": cmd_report}
+def _seeds(text: str) -> list[int]:
+    """`0-4` or `0,2,5` -> seeds. Raises argparse.ArgumentTypeError."""
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-", 1))
+            seeds = list(range(lo, hi + 1))
+        else:
+            seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"seeds: a range like 0-4 or a list like 0,2,5 of seeds >= 0, got {text!r}")
+    return seeds
+
+
+def cmd_skew(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fairshare sim skew", description="The pool's skewed overload "
+                                "(fairshare/workloads/pool.py) at several seeds, one row per seed.")
+    p.add_argument("--seeds", type=_seeds, default=_seeds("0-4"), help="a range (0-4) or a list (0,2,5); default 0-4")
+    p.add_argument("--profile", default=None, help=f"iteration time model JSON (default {DEFAULT_PROFILE.relative_to(ROOT)})")
+    p.add_argument("--rate-scale", default="auto", help="'auto' (the fairness report's scale) or a factor")
+    args = p.parse_args(argv)
+    from loadtests.reports.fairness import resolve_rate_scale
+    from loadtests.reports.pool import SKEW_SINGLE, skew_checks, run_skew
+
+    tm = _profile(args.profile)
+    scale = resolve_rate_scale(args.rate_scale, tm)[0]
+    print(f"pool skew, 4 workers, rate scale {scale:.4f}; max weighted service difference (units) / Jain")
+    print(f"{'seed':>4}  {'fair':>14}  {'single-worker VTC':>17}  {'per-worker VTC':>14}  {'FCFS':>14}  "
+          f"{'fair/single':>11}  {'per-worker/fair':>15}")
+    passed = 0
+    for seed in args.seeds:
+        rows = run_skew(tm, scale, seed=seed)
+        fair, single, per, fcfs = rows["fair"], rows[SKEW_SINGLE], rows["per-worker VTC"], rows["FCFS"]
+        ok = skew_checks(rows)
+        passed += all(ok.values())
+        print(f"{seed:>4}  {fair.diff:>6,.0f} / {fair.jain:.3f}  {single.diff:>9,.0f} / {single.jain:.3f}  "
+              f"{per.diff:>6,.0f} / {per.jain:.3f}  {fcfs.diff:>6,.0f} / {fcfs.jain:.3f}  "
+              f"{fair.diff / max(single.diff, 1e-9):>10.1f}x{' ' if ok['within 2x'] else '!'} "
+              f"{per.diff / max(fair.diff, 1e-9):>14.1f}x{' ' if ok['10x below'] else '!'}  {fair.where()}")
+    print(f"goal (fair <= 2x single-worker VTC, >= 10x below per-worker VTC) met at {passed} of {len(args.seeds)} "
+          "seeds ('!' marks a miss)")
+    return 0
+
+
+_SUB = {"list": cmd_list, "calibrate": cmd_calibrate, "run": cmd_run, "report": cmd_report, "skew": cmd_skew}
 
 
 def main(argv: list[str] | None = None) -> int:

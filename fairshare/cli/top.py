@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fairshare.cli.scrape import Samples, counter_delta, fetch, histogram_quantile, select
+from fairshare.cli.scrape import Samples, add_metrics_url_options, counter_delta, fetch, histogram_quantile, select
 
 DEFAULT_INTERVAL_S = 2.0
 DEFAULT_WINDOW_S = 60.0
@@ -314,10 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "(from the gateway's and workers' Prometheus metrics).")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="state dir of the `fairshare up` to watch (default: the one `fairshare up` uses)")
-    p.add_argument("--gateway-metrics", action="append", default=[], metavar="URL",
-                   help="a gateway's admin /metrics URL (repeatable), e.g. http://gateway:9100/metrics")
-    p.add_argument("--worker-metrics", action="append", default=[], metavar="URL",
-                   help="a worker's /metrics URL (repeatable), e.g. http://worker-0:9101/metrics")
+    add_metrics_url_options(p, gateway=True)
     p.add_argument("--interval", type=float, default=DEFAULT_INTERVAL_S,
                    help=f"seconds between refreshes (default {DEFAULT_INTERVAL_S:g})")
     p.add_argument("--window", type=float, default=None,

@@ -50,7 +50,7 @@ from typing import Iterable, Sequence
 
 from loadtests.profiles import DEFAULT_PROFILE
 from worker.cache.namespace import GLOBAL_NAMESPACE, derive_namespace
-from worker.cache.radix import RadixCache
+from worker.cache.radix import PrefixHits, RadixCache
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
@@ -62,37 +62,55 @@ BENCH_SECRET = b"fairshare cache bench secret (fixed for reproducibility)"
 
 
 @dataclass
+class ReplayHits(PrefixHits):
+    """`PrefixHits` plus `same_tenant_tokens`: of the hit tokens, those inside the longest prefix
+    the same tenant had already sent (see the module docstring)."""
+
+    same_tenant_tokens: int = 0
+
+    def add(self, lookup_tokens: int, hit_tokens: int, same_tenant_tokens: int = 0) -> None:
+        """Count a lookup: `lookup_tokens` prompt tokens, `hit_tokens` cached, `same_tenant_tokens` of
+        those the tenant's own reuse."""
+        super().add(lookup_tokens, hit_tokens)
+        self.same_tenant_tokens += same_tenant_tokens
+
+
+@dataclass
 class ReplayResult:
     """One mode at one capacity. Token counts are prompt tokens; blocks are KV blocks.
 
-    capacity_blocks: pool size (0 = unbounded). lookup_tokens: prompt tokens looked up. hit_tokens:
-    served from the cache. same_tenant_tokens / public_tokens / cross_tenant_tokens: see the module
-    docstring. evicted_blocks: blocks the cache gave back under pressure. by_tenant: tenant ->
-    [lookup, hit, same-tenant] tokens.
+    capacity_blocks: pool size (0 = unbounded). requests: requests counted. total: prompt tokens
+    looked up, served from the cache and of those the tenant's own reuse (`ReplayHits`), over all
+    requests; by_tenant: the same per tenant. public_tokens / cross_tenant_tokens: see the module
+    docstring. evicted_blocks: blocks the cache gave back under pressure.
     """
 
     mode: str
     capacity_blocks: int
     requests: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
-    same_tenant_tokens: int = 0
+    total: ReplayHits = field(default_factory=ReplayHits)
     public_tokens: int = 0
     cross_tenant_tokens: int = 0
     evicted_blocks: int = 0
-    by_tenant: dict[str, list[int]] = field(default_factory=dict)
+    by_tenant: dict[str, ReplayHits] = field(default_factory=dict)
+
+    def count(self, tenant: str, lookup_tokens: int, hit_tokens: int, same_tenant_tokens: int) -> None:
+        """One request of `tenant` (token counts as in `ReplayHits.add`): into `total` and `by_tenant`."""
+        self.requests += 1
+        for tally in (self.total, self.by_tenant.setdefault(tenant, ReplayHits())):
+            tally.add(lookup_tokens, hit_tokens, same_tenant_tokens)
 
     def rate(self, tokens: int) -> float:
         """`tokens` as a share of the tokens looked up (0 when nothing was)."""
-        return tokens / self.lookup_tokens if self.lookup_tokens else 0.0
+        return tokens / self.total.lookup_tokens if self.total.lookup_tokens else 0.0
 
     @property
     def hit_rate(self) -> float:
-        return self.rate(self.hit_tokens)
+        return self.rate(self.total.hit_tokens)
 
     @property
     def same_tenant_rate(self) -> float:
-        return self.rate(self.same_tenant_tokens)
+        return self.rate(self.total.same_tenant_tokens)
 
 
 def _block_chain(tokens: Sequence[int], block_size: int) -> list[int]:
@@ -171,16 +189,9 @@ def replay(requests: Iterable[tuple[str, Sequence[int]]], mode: str, capacity_bl
         kept = set(adopted)
         free.extend(b for b in new if b not in kept)
         seen.update(chain)
-        result.requests += 1
-        result.lookup_tokens += len(tokens)
-        result.hit_tokens += hit
-        result.same_tenant_tokens += same * block_size
+        result.count(tenant, len(tokens), hit, same * block_size)
         result.public_tokens += public * block_size
         result.cross_tenant_tokens += cross * block_size
-        row = result.by_tenant.setdefault(tenant, [0, 0, 0])
-        row[0] += len(tokens)
-        row[1] += hit
-        row[2] += same * block_size
     return result
 
 
@@ -194,19 +205,19 @@ def format_table(results: dict[str, ReplayResult]) -> str:
     """One capacity's table (columns: module docstring) and the two checks of issue #7."""
     first = next(iter(results.values()))
     cap = first.capacity_blocks or "unbounded"
-    lines = [f"capacity {cap} blocks; {first.requests} requests, {first.lookup_tokens} prompt tokens",
+    lines = [f"capacity {cap} blocks; {first.requests} requests, {first.total.lookup_tokens} prompt tokens",
              f"  {'cache':<20} {'hit':>7} {'same-tenant':>12} {'other':>7} {'public':>7} {'x-tenant':>9} "
              f"{'evicted':>8}"]
     for mode, r in results.items():
         lines.append(f"  {MODE_LABELS[mode]:<20} {r.hit_rate:>7.1%} {r.same_tenant_rate:>12.1%} "
-                     f"{r.rate(r.hit_tokens - r.same_tenant_tokens):>7.1%} {r.rate(r.public_tokens):>7.1%} "
+                     f"{r.rate(r.total.hit_tokens - r.total.same_tenant_tokens):>7.1%} {r.rate(r.public_tokens):>7.1%} "
                      f"{'-' if r.cross_tenant_tokens < 0 else format(r.rate(r.cross_tenant_tokens), '.1%'):>9} "
                      f"{r.evicted_blocks:>8}")
     g, n, p = results["global"], results["namespaced"], results["namespaced+public"]
     ratio = p.hit_rate / g.hit_rate if g.hit_rate else float("nan")
-    lines.append(f"  same-tenant hit tokens: global {g.same_tenant_tokens}, namespaced {n.same_tenant_tokens}, "
-                 f"namespaced+public {p.same_tenant_tokens} "
-                 f"({'equal' if g.same_tenant_tokens == n.same_tenant_tokens == p.same_tenant_tokens else 'differ'})")
+    same = [r.total.same_tenant_tokens for r in (g, n, p)]
+    lines.append(f"  same-tenant hit tokens: global {same[0]}, namespaced {same[1]}, namespaced+public {same[2]} "
+                 f"({'equal' if len(set(same)) == 1 else 'differ'})")
     lines.append(f"  promoted/global hit rate: {ratio:.2f} ({'>=' if ratio >= 0.7 else '<'} 0.70); "
                  f"namespaced/global: {n.hit_rate / g.hit_rate if g.hit_rate else float('nan'):.2f}")
     return "\n".join(lines)
@@ -245,14 +256,7 @@ def run_engine(requests: Sequence, mode: str, num_kv_blocks: int, block_size: in
         tenant, n_tokens, own, public = pending.pop(out.request_id)
         hit = out.cached_tokens
         same = min(hit, own * block_size)
-        result.requests += 1
-        result.lookup_tokens += n_tokens
-        result.hit_tokens += hit
-        result.same_tenant_tokens += same
-        row = result.by_tenant.setdefault(tenant, [0, 0, 0])
-        row[0] += n_tokens
-        row[1] += hit
-        row[2] += same
+        result.count(tenant, n_tokens, hit, same)
         result.public_tokens += min(hit, public * block_size)
 
     end = (requests[-1].spec.arrival_s if requests else 0.0) + drain_s

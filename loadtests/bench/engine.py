@@ -9,7 +9,8 @@ and transformers (figures printed, never timed assertions in tests).
 size: output tokens per second (output tokens / wall seconds from submission to the last token,
 prompts of --prompt-len tokens, every sequence generating exactly --new-tokens tokens, greedy;
 the fastest of --repeats runs, with the share of its threads' time the process got),
-the bytes of weights read per output token (the runner's linear weights, read once per forward
+the bytes of weights read per output token (the runner's linear weights and LM head, or the
+screened LM head's 4-bit copy where a greedy step takes it, read once per forward
 step, over the batch), the bandwidth that implies, and the engine process's resident memory
 (idle after building, and its peak). In the same run, when llama-cpp-python is importable,
 llama.cpp runs the same GGUF file with the same thread count through its batched low-level API
@@ -86,7 +87,7 @@ def _ours(params: dict) -> dict:
     passive_thread_wait()  # as `fairshare worker` does, before torch loads (llama.cpp's child keeps its own)
     import torch
 
-    from worker.cli import release_freed_memory
+    from worker.cli import release_freed_memory, resident_mb_of
     from worker.engine.engine import Engine, EngineConfig
     from worker.models import load_model
 
@@ -101,7 +102,9 @@ def _ours(params: dict) -> dict:
     runner = engine.runner
     out = {"format": runner.format.describe(), "weight_bytes": runner.weight_bytes,
            "resident_weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
-           "rss_idle_mb": _rss_mb(), "threads": torch.get_num_threads(), "results": {}}
+           "rss_idle_mb": _rss_mb(), "threads": torch.get_num_threads(), "results": {},
+           "step_bytes": {b: runner.step_weight_bytes(b, argmax_only=True) for b in params["batches"]},
+           "kv_resident_mb": resident_mb_of(runner.kv_cache)}
     _engine_tokens(engine, 1, params["prompt_len"], 4)  # warm-up
     for b in params["batches"]:
         out["results"][b] = _best_of(lambda: _engine_tokens(engine, b, params["prompt_len"], params["new_tokens"]),
@@ -234,12 +237,16 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
     ours = _in_child(_ours, params)
     print(f"fairshare engine: {ours['format']}; {ours['resident_weight_bytes'] / 2**20:,.0f} MiB of weights held, "
-          f"{ours['weight_bytes'] / 2**20:,.0f} MiB read per forward step; KV pool {ours['kv_bytes'] / 2**20:,.0f} "
+          f"{ours['weight_bytes'] / 2**20:,.0f} MiB read per forward step ({min(ours['step_bytes'].values()) / 2**20:,.0f} "
+          f"MiB in greedy steps that take the screened LM head); KV pool {ours['kv_bytes'] / 2**20:,.0f} "
           f"MiB (virtual, lazily resident)", flush=True)
     for b, result in ours["results"].items():
-        print(_row("fairshare engine", b, result, ours["weight_bytes"], args.new_tokens), flush=True)
-    print(f"fairshare engine RSS: {ours['rss_idle_mb']:,.0f} MiB idle after building, {ours['rss_peak_mb']:,.0f} "
-          f"MiB peak", flush=True)
+        print(_row("fairshare engine", b, result, ours["step_bytes"][b], args.new_tokens), flush=True)
+    kv_share = ("" if ours["kv_resident_mb"] is None else
+                f" (of which the KV pool {ours['kv_resident_mb']:,.0f} MiB, "
+                f"{ours['kv_resident_mb'] / max(ours['rss_idle_mb'], 1):.0%})")
+    print(f"fairshare engine RSS: {ours['rss_idle_mb']:,.0f} MiB idle after building{kv_share}, "
+          f"{ours['rss_peak_mb']:,.0f} MiB peak", flush=True)
     cpp = None
     if args.llama_cpp == "auto" and args.model == "smollm2":
         if importlib.util.find_spec("llama_cpp") is None:

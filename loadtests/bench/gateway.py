@@ -2,10 +2,11 @@
 
     fairshare bench gateway [--modes non-stream,stream] [--requests 2000] [--concurrency 32]
                             [--latency-requests 300] [--max-tokens 16] [--tokens-per-message 0]
-                            [--gateway-cpu 0] [--load-cpus 1] [--redis-url URL] [--json]
+                            [--gateway-cpu 0] [--load-cpus 1] [--redis-url URL] [--tokenizer DIR] [--json]
 
 An echo worker (a test double implementing the gRPC contract in this process, with a small
-word-level tokenizer and a ChatML template) answers every request with ``--max-tokens`` tokens, all
+word-level tokenizer and a ChatML template, or ``--tokenizer DIR``: a model's own tokenizer.json and
+chat template, e.g. SmolLM2's, so that the gateway tokenizes as it does in production) answers every request with ``--max-tokens`` tokens, all
 ready at once: like a worker that coalesces the tokens it has (worker/server.py) it sends them in one
 message (``--tokens-per-message 1``: one message per token, as workers did before they coalesced).
 Both paths are measured against it, for each mode (non-streamed and streamed chat completions):
@@ -80,14 +81,15 @@ class EchoWorker(pb_grpc.WorkerServicer):
     message, as a worker sends the tokens it has ready together).
     """
 
-    def __init__(self, tokens_per_message: int = 0) -> None:
-        self.tokens_per_message = tokens_per_message
-        self.tokenizer_json = echo_tokenizer_json()
-        import hashlib
+    def __init__(self, tokens_per_message: int = 0, files=None) -> None:
+        from gateway.tokenization import TokenizerFiles
 
-        self.info = pb.ModelInfo(model_name=ECHO_MODEL, max_context_tokens=4096, tokenizer_json=self.tokenizer_json,
-                                 chat_template=CHATML, eos_token_ids=[2], bos_token="", eos_token="<|im_end|>",
-                                 tokenizer_sha256=hashlib.sha256((self.tokenizer_json + CHATML).encode()).hexdigest())
+        self.tokens_per_message = tokens_per_message
+        files = files or TokenizerFiles(echo_tokenizer_json(), CHATML, "", "<|im_end|>")
+        self.tokenizer_json = files.tokenizer_json
+        self.info = pb.ModelInfo(model_name=ECHO_MODEL, max_context_tokens=4096, tokenizer_json=files.tokenizer_json,
+                                 chat_template=files.chat_template, eos_token_ids=[2], bos_token=files.bos_token,
+                                 eos_token=files.eos_token, tokenizer_sha256=files.sha256)
 
     async def Generate(self, request, context):
         n = request.sampling.max_tokens or 16
@@ -116,8 +118,9 @@ class EchoWorker(pb_grpc.WorkerServicer):
 class EchoServer:
     """The echo worker on a grpc.aio server in a background thread (own event loop)."""
 
-    def __init__(self, tokens_per_message: int = 0) -> None:
+    def __init__(self, tokens_per_message: int = 0, files=None) -> None:
         self.tokens_per_message = tokens_per_message
+        self.files = files  # gateway.tokenization.TokenizerFiles, or None: the word-level echo tokenizer
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
@@ -130,7 +133,7 @@ class EchoServer:
 
     async def _serve(self) -> None:
         self.server = grpc.aio.server()
-        pb_grpc.add_WorkerServicer_to_server(EchoWorker(self.tokens_per_message), self.server)
+        pb_grpc.add_WorkerServicer_to_server(EchoWorker(self.tokens_per_message, self.files), self.server)
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self.server)
         self.server.add_insecure_port(self.addr)
@@ -182,7 +185,7 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
     from gateway.tokenization import ChatTokenizer, TokenizerFiles
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello how are you today"}]
-    tok = ChatTokenizer(TokenizerFiles(echo_tokenizer_json(), CHATML))
+    tok = ChatTokenizer(_tokenizer_files(args) or TokenizerFiles(echo_tokenizer_json(), CHATML))
     prompt_ids = tok.encode_chat(messages)
     body = {"model": ECHO_MODEL, "messages": messages, "max_tokens": args.max_tokens, "stream": stream}
     if stream:
@@ -252,6 +255,15 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
     return out
 
 
+def _tokenizer_files(args):
+    """The model tokenizer of ``--tokenizer DIR`` (gateway.tokenization.TokenizerFiles), or None."""
+    if not args.tokenizer:
+        return None
+    from gateway.tokenization import load_tokenizer_dir
+
+    return load_tokenizer_dir(args.tokenizer)
+
+
 def _placement(args) -> tuple[set[int] | None, set[int] | None]:
     """(gateway CPUs, load-generator CPUs), or (None, None) where nothing is pinned."""
     if not hasattr(os, "sched_setaffinity"):
@@ -281,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-cpus", default=None,
                    help="comma-separated CPUs for the load generator, echo worker and Redis (default: the others)")
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a model directory whose tokenizer.json and chat template the echo worker serves "
+                        "(default: a small word-level tokenizer)")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = p.parse_args(argv)
     modes = ["stream"] if args.stream else [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -306,7 +321,7 @@ def _run(args, modes: list[str], gw_cpus: set[int] | None) -> dict[str, dict] | 
     """Start Redis, the echo worker and the gateway, run every mode; None (after printing why) on failure."""
     from gateway.auth import create_key
 
-    echo = EchoServer(args.tokens_per_message).start()
+    echo = EchoServer(args.tokens_per_message, _tokenizer_files(args)).start()
     procs: list[subprocess.Popen] = []
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fairshare-bench-") as tmp:

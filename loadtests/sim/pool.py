@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from fairshare.pool_board import TenantReport, WorkerReport
 from gateway.routing_policy import PoolBoard, RouteRequest, RoutingPolicy, make_routing
 from fairshare.workloads import Workload
+from worker.cache.radix import PrefixHits
 from worker.engine.engine import Engine, EngineConfig
 from worker.engine.sequence import SamplingParams
 from worker.scheduling.metrics import EventLog
@@ -39,7 +40,8 @@ BOARD_INTERVAL_S = 0.1
 
 @dataclass(eq=False)
 class SimWorker:
-    """One simulated worker: its engine, clock and the gateway-side figures routing sees."""
+    """One simulated worker: its engine, clock and the gateway-side figures routing sees.
+    prefix_hits: prompt tokens of its finished requests, looked up / served from its prefix cache."""
 
     index: int
     engine: Engine
@@ -48,8 +50,7 @@ class SimWorker:
     inflight_tokens: int = 0
     busy: bool = False
     requests: int = 0
-    hit_tokens: int = 0
-    prompt_tokens: int = 0
+    prefix_hits: PrefixHits = field(default_factory=PrefixHits)
 
     @property
     def route_id(self) -> str:
@@ -61,9 +62,9 @@ class SimWorker:
 
 @dataclass
 class PoolResult:
-    """One pool run. hit_tokens / prompt_tokens: prompt tokens served from the prefix cache / looked
-    up, over the requests that finished (pool-wide; per worker in `workers`). spills: requests the
-    fair policy sent beyond their affine worker."""
+    """One pool run. prefix_hits: prompt tokens looked up / served from the prefix cache, over the
+    requests that finished (pool-wide; per worker in `workers`). spills: requests the fair policy
+    sent beyond their affine worker."""
 
     workload: Workload
     policy: str
@@ -76,8 +77,7 @@ class PoolResult:
     end_s: float
     iterations: int
     pool_counters: bool
-    hit_tokens: int = 0
-    prompt_tokens: int = 0
+    prefix_hits: PrefixHits = field(default_factory=PrefixHits)
     finished: int = 0
     spills: int = 0
     routed: dict[str, int] = field(default_factory=dict)  # worker id -> requests routed there
@@ -89,7 +89,7 @@ class PoolResult:
     @property
     def hit_rate(self) -> float:
         """Pool-wide prefix hit rate: cached prompt tokens / prompt tokens (NaN without requests)."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else math.nan
+        return self.prefix_hits.hit_rate
 
     @property
     def cost(self):
@@ -162,10 +162,8 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
             if out.finish_reason is None:
                 return
             w.inflight_tokens -= cost
-            w.hit_tokens += out.cached_tokens
-            w.prompt_tokens += prompt_len
-            result.hit_tokens += out.cached_tokens
-            result.prompt_tokens += prompt_len
+            w.prefix_hits.add(prompt_len, out.cached_tokens)
+            result.prefix_hits.add(prompt_len, out.cached_tokens)
             result.finished += 1
         return on_output
 

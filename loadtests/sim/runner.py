@@ -23,6 +23,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from fairshare.checks import require_at_least
+
 
 class VirtualClock:
     """A clock that only moves when told: `clock()` returns seconds since the start (float)."""
@@ -129,8 +131,8 @@ class SimulatedRunner:
 
     def __init__(self, clock: VirtualClock, time_model: IterationTimeModel, num_kv_blocks: int, block_size: int = 16,
                  vocab_size: int = 32000, token_id: int = 1, jitter: float = 0.0, seed: int = 0) -> None:
-        if num_kv_blocks < 1 or block_size < 1 or jitter < 0:
-            raise ValueError("num_kv_blocks and block_size must be >= 1, jitter >= 0")
+        require_at_least(1, num_kv_blocks=num_kv_blocks, block_size=block_size)
+        require_at_least(0, jitter=jitter)
         self.clock = clock
         self.time_model = time_model
         self.num_kv_blocks = num_kv_blocks

@@ -155,3 +155,17 @@ def test_encoding_a_huge_prompt_lets_other_threads_run(kind):
         inside = sum(1 for t in samples if start + third < t < end - third)
         assert inside > 0, (f"encoding {i + 1} ({end - start:.2f} s) held the GIL: this thread took no "
                             f"timestamp in its middle third")
+
+
+def test_tokenizer_digest_is_computed_once(monkeypatch):
+    """`system_fingerprint` names the tokenizer's sha256 in every response: it is computed once per
+    tokenizer, not per response (SmolLM2's tokenizer JSON is 3.4 MB, ~8 ms of hashing)."""
+    import gateway.tokenization as tokenization
+
+    calls = []
+    real = tokenization.tokenizer_sha256
+    monkeypatch.setattr(tokenization, "tokenizer_sha256", lambda *a: calls.append(1) or real(*a))
+    files = TokenizerFiles(WORD_LEVEL_JSON, "{{ messages[0]['content'] }}")
+    tok = ChatTokenizer(files)
+    digests = {tok.sha256 for _ in range(100)}
+    assert digests == {real(WORD_LEVEL_JSON, "{{ messages[0]['content'] }}")} and len(calls) == 1

@@ -18,6 +18,8 @@ Usage: `trace = run_reference(workload, policy="vtc")`, a `tests.parity.trace.Tr
 
 from __future__ import annotations
 
+from worker.cache.namespace import derive_namespace
+from worker.cache.radix import RadixCache
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -29,6 +31,7 @@ from tests.parity.trace import IterationRecord, Trace
 from tests.parity.workloads import ScriptedWorkload
 
 OUTPUT_TOKEN = 7  # what the fake model emits (the same in the SGLang driver)
+CACHE_SECRET = b"parity-reference-driver"  # namespaces per tenant, as the engine derives them
 
 
 class ReferenceDriver(ScriptedDriver):
@@ -40,19 +43,22 @@ class ReferenceDriver(ScriptedDriver):
 
     def __init__(self, workload: ScriptedWorkload, policy: str = "vtc", *, alpha: float = 1.0, beta: float = 2.0,
                  prefill_slice: int = 16, max_skips: int = 8, returning_preemption: bool | None = None,
-                 drr_quantum: float = 512.0, lower_tier_token_target: int | None = None) -> None:
+                 drr_quantum: float = 512.0, lower_tier_token_target: int | None = None,
+                 prefix_cache: bool = True, max_partial_prefills: int | None = None) -> None:
         super().__init__(workload, f"reference/{policy}")
         shape = workload.engine
         self.cost = LinearCost(alpha, beta)
         options = {"quantum": drr_quantum} if policy == "drr" else {}
         self.policy = make_policy(policy, self.cost, **options)
-        self.blocks = BlockManager(shape.kv_blocks, shape.page_size)
+        self.cache = RadixCache(shape.page_size) if prefix_cache else None
+        self.blocks = BlockManager(shape.kv_blocks, shape.page_size, cache=self.cache)
         if returning_preemption is None:
             returning_preemption = policy != "fcfs"  # as Engine builds it
         self.scheduler = Scheduler(self.policy, self.cost, self.blocks, shape.chunk_tokens, shape.max_running,
                                    prefill_slice=prefill_slice, max_skips=max_skips,
                                    returning_preemption=returning_preemption, clock=lambda: float(self.iteration),
-                                   lower_tier_token_target=lower_tier_token_target)
+                                   lower_tier_token_target=lower_tier_token_target,
+                                   max_partial_prefills=max_partial_prefills)
         self.seqs: dict[str, Sequence] = {}
 
     def _arrive(self, iteration: int) -> None:
@@ -60,7 +66,8 @@ class ReferenceDriver(ScriptedDriver):
             tenant = self.workload.tenant(r.tenant_id)
             seq = Sequence(r.request_id, r.tenant_id, self.workload.prompt(r), SamplingParams(max_tokens=r.output_tokens),
                            weight=tenant.weight, tier=tenant.tier, arrival_time=float(iteration),
-                           max_tokens=r.output_tokens)
+                           max_tokens=r.output_tokens,
+                           cache_namespace=derive_namespace(CACHE_SECRET, r.tenant_id))
             self.seqs[r.request_id] = seq
             self.scheduler.add(seq)
 
@@ -81,6 +88,7 @@ class ReferenceDriver(ScriptedDriver):
         for c in chunks:
             s = c.seq
             s.num_computed_tokens += c.num_tokens
+            self.blocks.cache_computed(s)  # completed whole blocks join the prefix cache (Engine._commit_step)
             if s.num_computed_tokens == s.num_tokens:
                 units = self.cost.decode(1, len(s.prompt_token_ids), len(s.output_token_ids))
                 s.output_token_ids.append(OUTPUT_TOKEN)
@@ -97,6 +105,13 @@ class ReferenceDriver(ScriptedDriver):
         if any(not s.is_finished for s in self.seqs.values()):
             raise RuntimeError("requests still live: run longer before checking for leaks")
         return self.blocks.num_used
+
+
+def sglang_batching(workload: ScriptedWorkload) -> dict:
+    """The reference engine's settings for SGLang's batching (`EngineConfig.prefill_slice`,
+    `max_partial_prefills`): one pick may take a whole chunk of a request, and at most one request
+    is left in partial prefill (SGLang's one `Scheduler.chunked_req`). Options for `run_reference`."""
+    return {"prefill_slice": workload.engine.chunk_tokens, "max_partial_prefills": 1}
 
 
 def run_reference(workload: ScriptedWorkload, policy: str = "vtc", **options) -> Trace:

@@ -146,6 +146,44 @@ class Divergence:
         return "\n".join(lines)
 
 
+STEP_FIELDS = ("admitted", "retracted", "tokens")
+
+
+@dataclass(frozen=True)
+class StepDifference:
+    """The first iteration at which two traces' records differ: `iteration`, the `fields` of
+    `IterationRecord` that differ there (of `STEP_FIELDS`: admitted, retracted, tokens), and both
+    records (`a`: the reference's, `b`: the other executor's)."""
+
+    iteration: int
+    fields: tuple[str, ...]
+    a: IterationRecord
+    b: IterationRecord
+
+    def describe(self, names: tuple[str, str] = ("reference", "other")) -> str:
+        """Two lines, one per executor: what it admitted, retracted and computed per tenant there,
+        and what it had waiting after it."""
+        lines = [f"first step difference at iteration {self.iteration} ({', '.join(self.fields)}):"]
+        for name, rec in zip(names, (self.a, self.b)):
+            lines.append(f"  {name}: admitted {rec.admitted}, retracted {rec.retracted}, tokens "
+                         f"{dict(sorted(rec.tokens.items()))}, waiting after {dict(sorted(rec.waiting.items()))}")
+        return "\n".join(lines)
+
+
+def first_step_difference(a: Trace, b: Trace, fields: tuple[str, ...] = STEP_FIELDS,
+                          start: int = 0) -> StepDifference | None:
+    """The divergence finder: the first iteration from `start` at which trace `b`'s record differs
+    from trace `a`'s in any of `fields` (admitted and retracted lists in order; tokens per tenant),
+    or None when they agree throughout (a missing record counts as an empty one)."""
+    for i in range(start, max(len(a.records), len(b.records))):
+        x = a.records[i] if i < len(a.records) else IterationRecord()
+        y = b.records[i] if i < len(b.records) else IterationRecord()
+        differ = tuple(f for f in fields if getattr(x, f) != getattr(y, f))
+        if differ:
+            return StepDifference(i, differ, x, y)
+    return None
+
+
 def compare(a: Trace, b: Trace, window: tuple[int, int] | None = None, tenants=(), parts: int = 4) -> Divergence:
     """Compare trace `b` against trace `a` (the reference): admission order iteration by
     iteration, and, when `window` and `tenants` are given, the tenants' service shares over each

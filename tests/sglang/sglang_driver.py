@@ -91,6 +91,24 @@ from worker.sglang_plugin import tenant as tenant_mod  # noqa: E402
 from worker.sglang_plugin.state import FairShareState  # noqa: E402
 
 Scheduler = scheduler_mod.Scheduler
+
+# Scheduler attributes __init__ copies by the same name from the schedule config (`get_schedule()`).
+_FROM_SCHEDULE_CONFIG = ("schedule_policy", "enable_priority_scheduling", "schedule_low_priority_values_first",
+                         "abort_on_priority_when_disabled", "priority_scheduling_preemption_threshold")
+
+# Scheduler attributes __init__ sets that are the same in every driver run: a generation model with no
+# LoRA, speculative decoding, hierarchical / session / sparse caches, hybrid attention, queue limit or
+# overlap; the collaborators for those absent; the step counters at zero.
+_FEATURES_OFF = {
+    "is_generation": True, "max_queued_requests": None, "enable_overlap": False, "enable_overlap_mlx": False,
+    "dllm_config": None, "enable_lora": False, "enable_hierarchical_cache": False, "enable_hicache_storage": False,
+    "enable_lmcache": False, "enable_unified_cache_external_linker": False, "enable_hisparse": False,
+    "enable_session_radix_cache": False, "is_hybrid_swa": False, "is_hybrid_ssm": False,
+    "hisparse_coordinator": None, "decode_offload_manager": None, "draft_worker": None,
+    "truncation_align_size": None, "dynamic_chunk_sizer": None, "min_free_slots_delayer": None,
+    "require_mlp_sync": False, "scheduler_stage_metrics": None, "forward_ct": 0, "processed_tokens_counter": 0,
+    "_sched_idled": False, "future_map": None,
+}
 OUTPUT_TOKEN = 7        # what the fake model emits (the same in the reference driver)
 VOCAB_SIZE = 32000
 DEFAULT_SECRET = "sglang-driver-secret"
@@ -228,38 +246,17 @@ class SGLangDriver(ScriptedDriver):
                                                   token_to_kv_pool_allocator=alloc, page_size=shape.page_size))
         s.disable_radix_cache = False
         # what __init__ reads from ServerArgs and the model worker (get_worker_info)
+        for name in _FROM_SCHEDULE_CONFIG:
+            setattr(s, name, getattr(sched_cfg, name))
+        for name, value in _FEATURES_OFF.items():
+            setattr(s, name, value)
         s.page_size = shape.page_size
-        s.schedule_policy = sched_cfg.schedule_policy
-        s.enable_priority_scheduling = sched_cfg.enable_priority_scheduling
-        s.schedule_low_priority_values_first = sched_cfg.schedule_low_priority_values_first
-        s.abort_on_priority_when_disabled = sched_cfg.abort_on_priority_when_disabled
-        s.priority_scheduling_preemption_threshold = sched_cfg.priority_scheduling_preemption_threshold
         s.max_running_requests = shape.max_running
         s.max_prefill_tokens = shape.chunk_tokens
         s.max_req_len = s.max_req_input_len = shape.max_context
-        s.max_queued_requests = None
         s.model_config = _model_config(shape.max_context)
-        s.is_generation = True
-        s.enable_overlap = s.enable_overlap_mlx = False
         s.spec_algorithm = SpeculativeAlgorithm.from_string(None)
         s.disaggregation_mode = DisaggregationMode.NULL
-        s.dllm_config = None
-        s.enable_lora = False
-        s.enable_hierarchical_cache = s.enable_hicache_storage = s.enable_lmcache = False
-        s.enable_unified_cache_external_linker = s.enable_hisparse = False
-        s.enable_session_radix_cache = False
-        s.is_hybrid_swa = s.is_hybrid_ssm = False
-        s.hisparse_coordinator = s.decode_offload_manager = None
-        s.draft_worker = None
-        s.truncation_align_size = None
-        s.dynamic_chunk_sizer = None
-        s.min_free_slots_delayer = None
-        s.require_mlp_sync = False
-        s.scheduler_stage_metrics = None
-        s.forward_ct = 0
-        s.processed_tokens_counter = 0
-        s._sched_idled = False
-        s.future_map = None
         # SGLang's own initialisers for the scheduling state
         s.init_running_status()
         # init_chunked_prefill's attributes (it also resolves the model class, to turn chunking off

@@ -90,8 +90,11 @@ def test_retraction_before_a_prefill_pass_requeues_and_recomputes_without_chargi
         assert driver.leaked_tokens() == 0
         trace = driver.trace
         rid = retracted[0]
-        assert rid in trace.retractions() and trace.admission_order().count(rid) == 2
+        # SGLang retracts on its own too when drain's decodes run short (admission is on the room
+        # there is now): each retraction is counted once and re-admitted once
+        assert rid in trace.retractions()
+        assert trace.admission_order().count(rid) == trace.retractions().count(rid) + 1
         snapshot = driver.state.snapshot()
-        assert sum(v["retractions"] for v in snapshot.values()) == 1
+        assert sum(v["retractions"] for v in snapshot.values()) == len(trace.retractions())
         for tenant in ("a", "b"):
             assert snapshot[tenant]["charged_service"] == _expected_service(tenant)

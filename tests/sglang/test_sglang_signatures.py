@@ -90,6 +90,25 @@ def test_scheduler_state_the_plugin_reads():
     assert "req.rid.startswith(recv_req.rid)" in src
 
 
+def test_prefill_adder_internals_fairshare_prefill_adder_overrides():
+    """`FairSharePrefillAdder` admits on the room there is now by overriding two PrefillAdder
+    methods and resetting the budget's `total_offset` (docs/sglang-backend.md "cannot" 4): if SGLang
+    renames them the override would silently do nothing, so their parameters and the budget fields
+    are pinned here, and `add_one_req` must still route its memory check through them."""
+    adder = pkgutil.resolve_name("sglang.srt.managers.schedule_policy.PrefillAdder")
+    check = list(inspect.signature(adder._check_prefill_budget).parameters)
+    assert check == ["self", "req", "extend_input_len", "total_tokens", "swa_host_hit_length", "chunk_limit"], check
+    update = list(inspect.signature(adder._update_prefill_budget).parameters)
+    assert update[:4] == ["self", "prefix_len", "extend_input_len", "max_new_tokens"], update
+    assert "self._check_prefill_budget(" in inspect.getsource(adder._select_prefill_admission)
+    assert "self._update_prefill_budget(" in inspect.getsource(adder._commit_prefill_admission)
+    assert "self._swa_new_tokens(req)" in inspect.getsource(adder._check_prefill_budget)
+    budget = pkgutil.resolve_name("sglang.srt.mem_cache.prefill_budget.PrefillBudget")
+    src = inspect.getsource(budget)
+    for attr in ("self.total_offset", "self.current_offset", "def remaining_total", "def reserve"):
+        assert attr in src, attr
+
+
 def test_engine_api_used_by_sglang_server():
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.managers.tokenizer_manager import TokenizerManager

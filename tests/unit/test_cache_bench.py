@@ -22,21 +22,21 @@ def test_unbounded_cache_isolation_costs_no_same_tenant_reuse(trace):
     reqs, public = trace
     res = run_all(reqs, 0, BS, public)
     g, n, p = res["global"], res["namespaced"], res["namespaced+public"]
-    assert g.lookup_tokens == n.lookup_tokens == p.lookup_tokens > 0
+    assert g.total.lookup_tokens == n.total.lookup_tokens == p.total.lookup_tokens > 0
     # a tenant's reuse of its own prefixes is the same with or without namespaces ...
-    assert g.same_tenant_tokens == n.same_tenant_tokens == p.same_tenant_tokens > 0
+    assert g.total.same_tenant_tokens == n.total.same_tenant_tokens == p.total.same_tenant_tokens > 0
     assert g.by_tenant.keys() == n.by_tenant.keys()
     for t in g.by_tenant:
-        assert g.by_tenant[t][2] == n.by_tenant[t][2]
+        assert g.by_tenant[t].same_tenant_tokens == n.by_tenant[t].same_tenant_tokens
     # ... in namespaced mode every hit is the tenant's own reuse, never a block another tenant inserted
-    assert n.hit_tokens == n.same_tenant_tokens and n.cross_tenant_tokens == 0 and n.public_tokens == 0
+    assert n.total.hit_tokens == n.total.same_tenant_tokens and n.cross_tenant_tokens == 0 and n.public_tokens == 0
     # with public prefixes the only cross-tenant reuse is the public tree's
     assert p.cross_tenant_tokens == 0 and p.public_tokens > 0
-    assert p.hit_tokens - p.same_tenant_tokens <= p.public_tokens
+    assert p.total.hit_tokens - p.total.same_tenant_tokens <= p.public_tokens
     # the global cache does share other tenants' blocks (the public prompt): the check can see a leak
-    assert g.cross_tenant_tokens > 0 and g.hit_tokens > n.hit_tokens
+    assert g.cross_tenant_tokens > 0 and g.total.hit_tokens > n.total.hit_tokens
     # here only the public prompt is common to tenants, so promoting it wins all of it back
-    assert p.hit_tokens == g.hit_tokens
+    assert p.total.hit_tokens == g.total.hit_tokens
 
 
 def test_isolation_holds_under_eviction(trace):
@@ -46,8 +46,8 @@ def test_isolation_holds_under_eviction(trace):
     res = run_all(reqs, cap, BS, public)
     for mode in ("namespaced", "namespaced+public"):
         assert res[mode].evicted_blocks > 0 and res[mode].cross_tenant_tokens == 0
-    assert res["namespaced"].hit_tokens == res["namespaced"].same_tenant_tokens
-    assert all(r.hit_tokens <= r.lookup_tokens for r in res.values())
+    assert res["namespaced"].total.hit_tokens == res["namespaced"].total.same_tenant_tokens
+    assert all(r.total.hit_tokens <= r.total.lookup_tokens for r in res.values())
     text = format_table(res)
     assert f"capacity {cap} blocks" in text and "namespaced+public" in text
 
@@ -83,7 +83,7 @@ def test_engine_mode_keeps_the_invariants():
     res = {m: run_engine(reqs, m, 1024, BS, public) for m in MODES}
     g, n, p = res["global"], res["namespaced"], res["namespaced+public"]
     assert g.requests == n.requests == p.requests == len(reqs)
-    assert n.hit_tokens == n.same_tenant_tokens > 0 and n.public_tokens == 0
-    assert g.hit_tokens > n.hit_tokens and p.hit_tokens > n.hit_tokens and p.public_tokens > 0
-    assert p.hit_tokens - p.same_tenant_tokens <= p.public_tokens
+    assert n.total.hit_tokens == n.total.same_tenant_tokens > 0 and n.public_tokens == 0
+    assert g.total.hit_tokens > n.total.hit_tokens and p.total.hit_tokens > n.total.hit_tokens and p.public_tokens > 0
+    assert p.total.hit_tokens - p.total.same_tenant_tokens <= p.public_tokens
     assert "-" in format_table(res)       # cross-tenant hits are not measured on the engine

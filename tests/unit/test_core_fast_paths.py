@@ -17,7 +17,6 @@ same chunks, preempt the same requests for the same reasons, and leave the same 
 
 from __future__ import annotations
 
-import heapq
 import math
 import types
 
@@ -51,24 +50,20 @@ def _ref_on_idle(policy, tenant_id):
 
 
 def _ref_partial_heap(core, tier):
-    """The partial-prefill heap built from the whole running set."""
+    """The partial-prefill candidates from a scan of the whole running set, as a sorted list (a
+    sorted list is a heap), built once per round: every tenant with a running request that has
+    prefill left beyond this round's slices, then every slot holder with queued work, leaving out
+    the tenants taken out this round and the one holding the turn."""
     if core._partial_heaps is None:
-        heaps = {t: [] for t in TIERS}
-        left, alloc, seen = core.executor.prefill_left, core._alloc, set(core._out)
-        if core._sticky is not None:
-            seen.add(core._sticky.tenant_id)
-        for e in core.running.values():
-            ts = e.tenant
-            if ts.tenant_id not in seen and left(e.handle) - alloc.get(e.request_id, 0) > 0:
-                seen.add(ts.tenant_id)
-                heaps[ts.sched_tier].append((core._key(ts), ts.tenant_id))
-        for t in sorted(core._slot_holders() - seen):
-            ts = core.tenants.get(t)
-            if ts is not None and ts.waiting:
-                heaps[ts.sched_tier].append((core._key(ts), t))
-        for h in heaps.values():
-            heapq.heapify(h)
-        core._partial_heaps = heaps
+        left, alloc = core.executor.prefill_left, core._alloc
+        states = {e.tenant.tenant_id: e.tenant for e in core.running.values()
+                  if left(e.handle) - alloc.get(e.request_id, 0) > 0}
+        states.update({t: core.tenants[t] for t in core._slot_holders()
+                       if t not in states and t in core.tenants and core.tenants[t].waiting})
+        for t in {*core._out, *((core._sticky.tenant_id,) if core._sticky is not None else ())}:
+            states.pop(t, None)
+        core._partial_heaps = {t: sorted((core._key(ts), tid) for tid, ts in states.items() if ts.sched_tier == t)
+                               for t in TIERS}
     return core._partial_heaps[tier]
 
 

@@ -82,6 +82,8 @@ def test_compute_metrics_on_a_hand_made_log():
     assert b.longest_starvation_s == 1.0                        # waited the whole first step
     # both backlogged during step 1 only: a got 12, b got 0
     assert m.max_pair_diff_units == 12.0
+    assert m.max_pair_witness == ("a", "b", 0.0, 1.0)           # the pair, its stretch's start, the peak
+    assert compute_metrics(log, LinearCost(), window=(2.0, 3.0)).max_pair_witness is None  # nobody co-backlogged
     assert m.goodput_rps == pytest.approx(1 / 3)                # only a met the 1.5 s TTFT SLO
     assert m.jain == pytest.approx(1.0) and a.gps_units == pytest.approx(14) and b.gps_units == pytest.approx(14)
     assert a.max_lag_units == 0 and b.max_lag_units == pytest.approx(6.0)   # GPS splits step 1 evenly

@@ -29,28 +29,44 @@ def make(gen_factory):
     return SSEResponse(body(), on_disconnect=on_gone, on_close=on_close, headers={"x-ratelimit-limit-tokens": "7"}), calls
 
 
-async def test_normal_stream_sends_headers_first_and_closes_once():
+def events(*payloads):
+    """A body factory: one SSE event per payload, then ``[DONE]``."""
     async def gen():
-        yield event({"a": 1})
+        for payload in payloads:
+            yield event(payload)
         yield DONE
+    return gen
 
-    resp, calls = make(gen)
+
+def recorder():
+    """An ASGI ``send`` that keeps every message: returns (messages, send)."""
     sent = []
+
+    async def send(msg):
+        sent.append(msg)
+    return sent, send
+
+
+def body_of(sent) -> bytes:
+    """The response body: every message after ``http.response.start``."""
+    return b"".join(m.get("body", b"") for m in sent[1:])
+
+
+async def test_normal_stream_sends_headers_first_and_closes_once():
+    resp, calls = make(events({"a": 1}))
+    sent, send = recorder()
     disconnect = asyncio.Event()
 
     async def receive():
         await disconnect.wait()
         return {"type": "http.disconnect"}
 
-    async def send(msg):
-        sent.append(msg)
-
     await resp(SCOPE, receive, send)
     assert sent[0]["type"] == "http.response.start"
     headers = dict(sent[0]["headers"])
     assert headers[b"content-type"].startswith(b"text/event-stream")
     assert headers[b"x-ratelimit-limit-tokens"] == b"7"
-    assert b"".join(m.get("body", b"") for m in sent[1:]) == b'data: {"a":1}\n\ndata: [DONE]\n\n'
+    assert body_of(sent) == b'data: {"a":1}\n\ndata: [DONE]\n\n'
     assert calls == {"gone": 0, "closed": 1, "gen_finally": 1, "started": 1}
 
 
@@ -72,20 +88,12 @@ async def test_client_gone_before_first_byte_still_settles():
 
 async def test_the_response_leaves_the_connection_to_the_request_watch():
     """The request's RequestWatch reads `receive` (one task per request); the response never does."""
-
-    async def gen():
-        yield event({"n": 1})
-        yield DONE
-
-    resp, calls = make(gen)
-    sent = []
+    resp, calls = make(events({"n": 1}))
+    sent, send = recorder()
 
     async def receive():
         raise AssertionError("SSEResponse read the connection")
 
-    async def send(msg):
-        sent.append(msg)
-
     await resp(SCOPE, receive, send)
-    assert b"".join(m.get("body", b"") for m in sent[1:]) == b'data: {"n":1}\n\ndata: [DONE]\n\n'
+    assert body_of(sent) == b'data: {"n":1}\n\ndata: [DONE]\n\n'
     assert calls == {"gone": 0, "closed": 1, "gen_finally": 1, "started": 1}

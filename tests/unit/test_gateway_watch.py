@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
+
+import pytest
 
 from gateway.watch import RequestWatch
 from tests.support.waits import wait_for_async
@@ -92,3 +96,36 @@ async def test_nothing_to_watch_settles_at_close():
     assert calls == {"gone": 0, "settled": 0}
     await watch.close()
     assert calls == {"gone": 0, "settled": 1}
+
+
+class Request:
+    """What a session is to its watch: it holds the watch, the watch calls back into it."""
+
+    def __init__(self, receive):
+        self.settled = 0
+        self.watch = RequestWatch(receive, self.on_gone, self.settle)
+
+    def on_gone(self):
+        pass
+
+    async def settle(self):
+        self.settled += 1
+
+
+@pytest.mark.parametrize("watched", [True, False])
+async def test_a_settled_request_is_freed_without_the_garbage_collector(watched):
+    """Once settled, the watch holds nothing of its request: dropping the request frees it by reference
+    counting alone (a cycle here left every request to the cyclic collector, a tenth of the gateway's CPU)."""
+    conn = Connection()
+    req = Request(conn.receive if watched else None)
+    if watched:
+        await wait_for_async(lambda: conn.reads, "the watch reading the connection")
+    await req.watch.close()
+    assert req.settled == 1
+    ref = weakref.ref(req)
+    gc.disable()
+    try:
+        del req
+        assert ref() is None, "the settled request is still referenced (a reference cycle through its watch)"
+    finally:
+        gc.enable()

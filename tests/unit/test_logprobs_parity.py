@@ -64,6 +64,14 @@ def test_logprobs_only_when_asked(model):
     assert [len(top) for _, _, top in logprobs] == [0, 0, 0]
 
 
+def test_greedy_tokens_do_not_depend_on_asking_for_logprobs(model):
+    """Without logprobs a greedy request takes the screened LM head (worker/engine/weights.py
+    ArgmaxHead), with them the dense head: the same tokens either way."""
+    plain, _ = _generate(model, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    with_lp, _ = _generate(model, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True))
+    assert len(plain) == 12 and plain == with_lp
+
+
 def test_top_logprobs_needs_logprobs_and_at_most_20():
     with pytest.raises(ValueError):
         SamplingParams(top_logprobs=2).validate()

@@ -216,6 +216,58 @@ def test_runner_interface_details(tiny):
         ModelRunner(tiny, num_kv_blocks=4, quantization="int3")
 
 
+@pytest.mark.parametrize("dtype,quantization", FORMATS)
+def test_argmax_head_picks_the_dense_heads_token(tiny, dtype, quantization):
+    """Steps whose items are all `argmax_only` (at most ArgmaxHead.max_rows) take the screened LM
+    head: each row holds exactly `candidates` finite logits, the largest of them is the dense head's
+    token and value (both rounded to the activation dtype; only the summation order differs); any
+    other step returns the dense head's logits."""
+    from worker.engine.weights import ArgmaxHead
+
+    model = variant(tiny, seed=4)
+    seqs = random_seqs(model.config.vocab_size, [9, 14, 5, 20, 11], seed=2)
+    r = ModelRunner(model, num_kv_blocks=40, block_size=4, dtype=dtype, quantization=quantization)
+    assert isinstance(r.argmax_head, ArgmaxHead) and r.resident_weight_bytes > r.weight_bytes + r.embed.nbytes
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(seqs))]
+    r.forward([ForwardItem(s[:-3], 0, t) for s, t in zip(seqs, tables)])
+    tol = 1e-5 if dtype == "float32" else 0.0
+    checked = 0
+    for j in range(3, 0, -1):
+        for rows in (seqs[:1], seqs[:ArgmaxHead.max_rows]):
+            items = [ForwardItem([s[-j]], len(s) - j, t) for s, t in zip(rows, tables)]
+            dense = r.forward(items)  # recomputing a position rewrites the same K/V
+            assert torch.isfinite(dense).all()
+            for it in items:
+                it.argmax_only = True
+            screened = r.forward(items)
+            assert ((screened > float("-inf")).sum(-1) == ArgmaxHead.candidates).all()
+            assert torch.equal(screened.argmax(-1), dense.argmax(-1))
+            torch.testing.assert_close(screened.max(-1).values, dense.max(-1).values, atol=tol, rtol=tol)
+            checked += len(items)
+    assert checked == 3 * (1 + ArgmaxHead.max_rows)
+    too_many = [ForwardItem([s[-3]], len(s) - 3, t, argmax_only=True) for s, t in zip(seqs, tables)]
+    assert len(too_many) > ArgmaxHead.max_rows and torch.isfinite(r.forward(too_many)).all()  # the dense head
+    mixed = [ForwardItem([seqs[0][-3]], len(seqs[0]) - 3, tables[0], argmax_only=True),
+             ForwardItem([seqs[1][-3]], len(seqs[1]) - 3, tables[1])]
+    assert torch.isfinite(r.forward(mixed)).all()
+
+
+def test_argmax_head_only_for_a_tied_head_and_when_asked(tiny):
+    assert ModelRunner(tiny, num_kv_blocks=4).argmax_head is not None
+    assert ModelRunner(tiny, num_kv_blocks=4, argmax_head=False).argmax_head is None
+    untied = variant(tiny, tie_word_embeddings=False)
+    assert ModelRunner(untied, num_kv_blocks=4).argmax_head is None  # its rows could not be gathered
+
+
+def test_argmax_head_screen_packed_in_pieces_is_the_whole_table_packed(tiny):
+    from worker.engine.weights import ArgmaxHead, Embedding, Int4Linear, _int4_parts
+
+    table = tiny.state_dict["model.embed_tokens.weight"][:4096 + 48].bfloat16()  # a last piece of 48 rows
+    whole = Int4Linear(*_int4_parts(table), None)
+    pieces = ArgmaxHead(Embedding(table), torch.bfloat16, chunk_rows=1024).screen
+    assert torch.equal(pieces.packed, whole.packed) and torch.equal(pieces.scale_zeros, whole.scale_zeros)
+
+
 def test_format_choice():
     """auto runs weights as they ship: 4-bit blocks -> int4 (bf16 activations), 8-bit -> int8,
     dense fp32 -> fp32; bf16 on CUDA; quantization is CPU-only."""
@@ -303,16 +355,16 @@ def test_smollm2_int4_layers_are_the_gguf_blocks(smollm2):
         assert ((held - w.dequantize()).abs() <= bound).all()
 
 
-def greedy(runner: ModelRunner, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+def greedy(runner: ModelRunner, prompt: list[int], max_new: int, eos: set[int], argmax_only: bool = False) -> list[int]:
     table = list(range(-(-(len(prompt) + max_new) // runner.block_size)))
-    out = runner.forward([ForwardItem(prompt, 0, table)])
+    out = runner.forward([ForwardItem(prompt, 0, table, argmax_only)])
     generated: list[int] = []
     while True:
         tok = int(out[0].argmax())
         if tok in eos or len(generated) == max_new:
             return generated
         generated.append(tok)
-        out = runner.forward([ForwardItem([tok], len(prompt) + len(generated) - 1, table)])
+        out = runner.forward([ForwardItem([tok], len(prompt) + len(generated) - 1, table, argmax_only)])
 
 
 @pytest.mark.smollm2
@@ -322,5 +374,8 @@ def test_smollm2_greedy_answers_paris(smollm2, smollm2_runner):
         messages=[{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
         bos_token=smollm2.bos_token, eos_token=smollm2.eos_token)
     prompt = smollm2.tokenizer.encode(text, add_special_tokens=False).ids
-    answer = smollm2.tokenizer.decode(greedy(smollm2_runner, prompt, 16, set(smollm2.eos_token_ids)))
+    eos = set(smollm2.eos_token_ids)
+    tokens = greedy(smollm2_runner, prompt, 16, eos)
+    answer = smollm2.tokenizer.decode(tokens)
     assert "Paris" in answer, answer
+    assert greedy(smollm2_runner, prompt, 16, eos, argmax_only=True) == tokens  # the screened LM head

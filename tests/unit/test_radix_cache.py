@@ -9,7 +9,7 @@ import pytest
 
 from worker.cache.namespace import (GLOBAL_NAMESPACE, PUBLIC_NAMESPACE, derive_namespace, encode_fields,
                                     load_secret)
-from worker.cache.radix import PUBLIC_OWNER, RadixCache
+from worker.cache.radix import PUBLIC_OWNER, PrefixHits, RadixCache
 
 BS = 4
 SECRET = b"s" * 32
@@ -110,7 +110,7 @@ def test_refcounts_acquire_release_and_errors():
         c.release([0])
     with pytest.raises(ValueError):                                      # block 0 is cached already
         c.insert("B", toks(3), [0], "b")
-    assert c.stats.lookup_tokens == 8 and c.stats.hit_tokens == 8 and c.stats.hit_tokens_by_tenant == {"a": 8}
+    assert c.stats.tokens == PrefixHits(lookup_tokens=8, hit_tokens=8) and c.stats.by_tenant == {"a": c.stats.tokens}
     c.check()
 
 

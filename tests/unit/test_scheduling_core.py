@@ -238,3 +238,48 @@ def test_drr_admission_order_grants_quanta_as_the_picks_do():
     assert order == picks
     assert "w3" in order[:6] and order[:12].count("w3") >= 2 * order[:12].count("w1")   # 3 : 1 while both queue
     assert order[:12] != ["w1"] * 12                                                    # not tenant by tenant
+
+
+# ---- the partial-prefill limit (SGLang's one chunked request) ----------------------------------------
+def _long_prefills(limit):
+    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(1000, 16), 256, 8, prefill_slice=256,
+                      max_partial_prefills=limit)
+    a, b = seq("a", 400, 4), seq("b", 400, 4)
+    sched.add(a)
+    sched.add(b)
+    first = {c.seq.request_id: c.num_tokens for c in step(sched)}
+    assert first == {a.request_id: 256}  # equal counters: a (first seen) takes the whole chunk
+    return sched, a, b, {c.seq.request_id: c.num_tokens for c in step(sched)}
+
+
+def test_with_one_partial_prefill_allowed_a_second_waits_until_the_first_finishes():
+    """Unlimited, b (the smaller counter) takes the whole chunk and a is left mid-prefill beside
+    it; with `max_partial_prefills=1` b's 400-token prompt cannot start while a's is unfinished, so
+    a finishes first (144 tokens) and b, now the only partial prefill, takes the other 112."""
+    _, a, b, free = _long_prefills(None)
+    assert free == {b.request_id: 256}
+    _, a, b, one = _long_prefills(1)
+    assert one == {a.request_id: 144, b.request_id: 112}
+
+
+def test_the_partial_prefill_limit_holds_throughout_and_everything_finishes():
+    """Random-ish mix of prompts shorter and longer than the chunk, three tenants: after every
+    iteration at most one request is mid-prefill, a short prompt still gets in beside a partial one
+    (it finishes in the pick), and every request finishes."""
+    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(2000, 16), 256, 6, prefill_slice=256,
+                      max_partial_prefills=1)
+    seqs = [seq(t, p, 8) for t, p in [("a", 600), ("b", 40), ("c", 300), ("a", 90), ("b", 500), ("c", 20)] * 3]
+    for s in seqs:
+        sched.add(s)
+    beside = 0
+    for _ in range(400):
+        chunks = step(sched)
+        mid = [s for s in sched.running if s.num_uncomputed > 1]
+        assert len(mid) <= 1, [(s.request_id, s.num_uncomputed) for s in mid]
+        prefills = [c for c in chunks if c.num_tokens > 1]
+        beside += len(prefills) >= 2 and bool(mid)
+        if not sched.has_work():
+            break
+    assert all(s.is_finished for s in seqs) and beside > 0
+    with pytest.raises(ValueError):
+        Scheduler(make_policy("vtc"), LinearCost(), BlockManager(10, 16), 256, 8, max_partial_prefills=0)

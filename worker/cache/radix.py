@@ -34,6 +34,7 @@ Units: tokens (token ids), blocks (pool block ids). No torch, no grpc.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -58,18 +59,44 @@ class _Node:
 
 
 @dataclass
+class PrefixHits:
+    """Prompt tokens looked up in a prefix cache (`lookup_tokens`) and, of those, served from it
+    (`hit_tokens`): what every prefix-cache hit figure is made of (the radix cache's own counters,
+    the simulated pool's, the cache benchmark's)."""
+
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+
+    def add(self, lookup_tokens: int, hit_tokens: int) -> None:
+        """Count a lookup of `lookup_tokens` prompt tokens of which `hit_tokens` were cached."""
+        self.lookup_tokens += lookup_tokens
+        self.hit_tokens += hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """hit_tokens / lookup_tokens (NaN before any lookup)."""
+        return self.hit_tokens / self.lookup_tokens if self.lookup_tokens else math.nan
+
+
+@dataclass
 class CacheStats:
-    """Counters since start. lookup_tokens: tokens looked up by `acquire`; hit_tokens: of those,
-    served from the cache; per tenant in the dicts. inserted / evicted: blocks."""
+    """Counters since start. lookups / hits: `acquire` calls, and those that matched at least one
+    block. tokens: prompt tokens looked up by `acquire` and served from the cache, in all and per
+    tenant in `by_tenant`. inserted / evicted: blocks."""
 
     lookups: int = 0
     hits: int = 0
-    lookup_tokens: int = 0
-    hit_tokens: int = 0
     inserted_blocks: int = 0
     evicted_blocks: int = 0
-    lookup_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
-    hit_tokens_by_tenant: dict[str, int] = field(default_factory=dict)
+    tokens: PrefixHits = field(default_factory=PrefixHits)
+    by_tenant: dict[str, PrefixHits] = field(default_factory=dict)
+
+    def count_lookup(self, tenant: str, lookup_tokens: int, hit_tokens: int) -> None:
+        """One `acquire` of `lookup_tokens` tokens for `tenant`, `hit_tokens` of them cached."""
+        self.lookups += 1
+        self.hits += 1 if hit_tokens else 0
+        self.tokens.add(lookup_tokens, hit_tokens)
+        self.by_tenant.setdefault(tenant, PrefixHits()).add(lookup_tokens, hit_tokens)
 
 
 class RadixCache:
@@ -203,13 +230,7 @@ class RadixCache:
                 self.num_evictable -= 1
             self._refs[b] = r + 1
         hit = len(blocks) * self.block_size
-        s = self.stats
-        s.lookups += 1
-        s.hits += 1 if hit else 0
-        s.lookup_tokens += len(token_ids)
-        s.hit_tokens += hit
-        s.lookup_tokens_by_tenant[tenant] = s.lookup_tokens_by_tenant.get(tenant, 0) + len(token_ids)
-        s.hit_tokens_by_tenant[tenant] = s.hit_tokens_by_tenant.get(tenant, 0) + hit
+        self.stats.count_lookup(tenant, len(token_ids), hit)
         self.version += 1
         return blocks, hit
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from fairshare.checks import require_at_least
 from worker.engine.sequence import Sequence
 
 
@@ -30,8 +31,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16, cache=None) -> None:
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be > 0 (got {num_blocks}, {block_size})")
+        require_at_least(1, num_blocks=num_blocks, block_size=block_size)
         if cache is not None and cache.block_size != block_size:
             raise ValueError("the prefix cache's block size must equal the pool's")
         self.num_blocks = num_blocks

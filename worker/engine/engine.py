@@ -51,12 +51,15 @@ class EngineConfig:
     LinearCost) or `profiled` (profile = (a, b, c, d, e), see ProfiledCost). drr_quantum: DRR
     quantum, service units. max_num_batched_tokens: token budget per iteration = prefill chunk
     size. prefill_slice: tokens per policy pick when the prefill budget is split among tenants.
-    max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
+    max_partial_prefills: most requests in partial (chunked) prefill at once (None: no limit;
+    worker/scheduling/core.py; SGLang's scheduler has 1). max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
     admitted sequences. block_size: tokens per KV block. num_kv_blocks: pool size (None: from
     kv_cache_mb, and without it from max_running and the context: `plan_kv_pool` in
     worker/engine/model_runner.py). max_model_len: context limit (None: the model's).
     dtype / quantization: the runner's activation dtype and weight format ("auto": as the
-    checkpoint ships; worker/engine/weights.py).
+    checkpoint ships; worker/engine/weights.py). argmax_head: steps whose requests all decode
+    greedily without logprobs or a grammar use the runner's screened LM head
+    (worker/engine/weights.py `ArgmaxHead`; False: always the dense head).
     returning_preemption: a tenant returning below its slot share gets a running slot at once,
     preempting an over-share tenant (worker/scheduling/returning.py; never under FCFS).
     tier_scheduling: strict priority across tiers with minimum shares (False: tier-blind, every
@@ -91,6 +94,7 @@ class EngineConfig:
     drr_quantum: float = 512.0
     max_num_batched_tokens: int = 512
     prefill_slice: int = 16
+    max_partial_prefills: int | None = None
     max_skips: int = 8
     max_running: int = 64
     block_size: int = 16
@@ -100,6 +104,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     quantization: str = "auto"
+    argmax_head: bool = True
     returning_preemption: bool = True
     tier_scheduling: bool = True
     tier_min_shares: dict = field(default_factory=dict)
@@ -194,7 +199,7 @@ class Engine:
                                             c.kv_cache_mb)
                 num_blocks = self.kv_plan.num_blocks
             runner = ModelRunner(model, num_kv_blocks=num_blocks, block_size=c.block_size, device=c.device,
-                                 dtype=fmt.dtype, quantization=fmt.quantization)
+                                 dtype=fmt.dtype, quantization=fmt.quantization, argmax_head=c.argmax_head)
         self.runner = runner
         self.clock = clock or time.monotonic
         self.recorder = recorder
@@ -213,7 +218,8 @@ class Engine:
                                    clock=self.clock, quota=self.quota,
                                    returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
                                    tiers=self.tiers, iteration_token_target=cfg.iteration_token_target,
-                                   lower_tier_token_target=cfg.lower_tier_token_target or None)
+                                   lower_tier_token_target=cfg.lower_tier_token_target or None,
+                                   max_partial_prefills=cfg.max_partial_prefills)
         self.pool = PoolCounters()  # pool-wide counters; inert until another worker's report arrives
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
@@ -374,7 +380,8 @@ class Engine:
         batch's requests and counts one engine fault (`_fail_batch`); one raised before (scheduling)
         propagates to the caller (the loop counts it too and backs off)."""
         item_class = self._item_class
-        if item_class is None:
+        own_items = item_class is None  # ForwardItem (a runner's own item class takes three fields)
+        if own_items:
             from worker.engine.model_runner import ForwardItem as item_class
 
         with self._state_lock:
@@ -395,7 +402,10 @@ class Engine:
                 items = []
                 for c in chunks:
                     start = c.seq.num_computed_tokens
-                    items.append(item_class(_token_slice(c.seq, start, c.num_tokens), start, list(c.seq.block_table)))
+                    item = item_class(_token_slice(c.seq, start, c.num_tokens), start, list(c.seq.block_table))
+                    if own_items:
+                        item.argmax_only = _argmax_only(c.seq)
+                    items.append(item)
             logits = self.runner.forward(items)
             with self._state_lock:
                 self._commit_step(chunks, logits, started)
@@ -675,12 +685,12 @@ class Engine:
             return snap
         st = cache.stats
         snap.update(cache_blocks=cache.num_blocks, cache_public_blocks=cache.num_public_blocks,
-                    cache_hit_tokens=st.hit_tokens, cache_lookup_tokens=st.lookup_tokens,
+                    cache_hit_tokens=st.tokens.hit_tokens, cache_lookup_tokens=st.tokens.lookup_tokens,
                     cache_evictable_blocks=cache.num_evictable)
         for t in snap["tenants"]:
             tid = t["tenant_id"]
             t["cache_blocks"] = cache.footprint(tid)
-            t["cached_prompt_tokens"] = st.hit_tokens_by_tenant.get(tid, 0)
+            t["cached_prompt_tokens"] = st.by_tenant[tid].hit_tokens if tid in st.by_tenant else 0
         return snap
 
     def _snapshot(self) -> dict:
@@ -716,6 +726,12 @@ class Engine:
             "iteration_token_target": core.iteration_token_target,
             "lower_tier_token_target": core.lower_tier_token_target,
         }
+
+
+def _argmax_only(seq: Sequence) -> bool:
+    """Whether only the argmax of this sequence's logits is used: greedy, no logprobs, no grammar."""
+    p = seq.sampling
+    return p.temperature <= 0.0 and not p.logprobs and seq.constraint is None and p.grammar is None
 
 
 def _token_slice(seq: Sequence, start: int, n: int) -> list[int]:

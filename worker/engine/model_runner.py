@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.engine.weights import make_embedding, make_linear, resolve_format, weight_bytes
+from fairshare.checks import require_at_least
+from worker.engine.weights import make_argmax_head, make_embedding, make_linear, resolve_format, weight_bytes
 
 __all__ = ["ForwardItem", "ModelRunner", "KVPoolPlan", "plan_kv_pool"]
 
@@ -44,11 +45,15 @@ class ForwardItem:
     start_pos: position of token_ids[0] in the sequence (= tokens already in the KV cache).
     block_table: KV pool block ids covering positions [0, start_pos + len(token_ids)),
     `block_size` positions each (block_table[i] holds positions i*block_size ... +block_size-1).
+    argmax_only: the caller uses only the argmax of this item's logits (greedy, no logprobs, no
+    grammar mask). When every item of a step says so, the runner may return logits that are exact
+    for the LM head's top candidates and -inf elsewhere (`worker.engine.weights.ArgmaxHead`).
     """
 
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    argmax_only: bool = False
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -125,8 +130,7 @@ def plan_kv_pool(model, block_size: int, dtype: torch.dtype, max_running: int, m
     never be used at once. That is capped at KV_MEMORY_FRACTION of `memory_bytes` (default: the
     cgroup limit or physical RAM), but never below one full-context sequence.
     Raises ValueError on sizes < 1."""
-    if block_size < 1 or max_running < 1:
-        raise ValueError("block_size and max_running must be >= 1")
+    require_at_least(1, block_size=block_size, max_running=max_running)
     per_block = ModelRunner.kv_bytes_per_block(model, block_size, dtype)
     context = int(max_model_len or model.max_context_tokens)
     if kv_cache_mb is not None:
@@ -155,14 +159,17 @@ class ModelRunner:
     `worker.engine.weights.resolve_format` ("auto": the checkpoint's own format: int4 weights with
     bf16 activations for the default GGUF model; fp32 for a dense fp32 checkpoint on CPU; bf16 on
     CUDA). A torch.dtype for `dtype` is accepted too. Logits are always returned as float32.
+    argmax_head: serve steps whose items are all `argmax_only` (at most `ArgmaxHead.max_rows` of
+    them) through the screened head (`worker.engine.weights.ArgmaxHead`; CPU, tied LM head only);
+    False: always the dense head.
     Raises ValueError on bad sizes, a model without weights, or an unsupported format.
     Not thread-safe: one forward at a time.
     """
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, device: str = "cpu",
-                 dtype: str | torch.dtype | None = "auto", quantization: str | None = "auto") -> None:
-        if num_kv_blocks < 1 or block_size < 1:
-            raise ValueError("num_kv_blocks and block_size must be >= 1")
+                 dtype: str | torch.dtype | None = "auto", quantization: str | None = "auto",
+                 argmax_head: bool = True) -> None:
+        require_at_least(1, num_kv_blocks=num_kv_blocks, block_size=block_size)
         if not model.state_dict:
             raise ValueError(f"model {model.name!r} was loaded without weights")
         self.device = torch.device(device)
@@ -190,6 +197,8 @@ class ModelRunner:
 
         with torch.inference_mode():
             self.embed, self.lm_head = make_embedding(sd["model.embed_tokens.weight"], sd.get("lm_head.weight"), fmt, dev)
+            tied = sd.get("lm_head.weight") is None
+            self.argmax_head = make_argmax_head(self.embed, tied, fmt, dev) if argmax_head else None
             self.norm = norm("model.norm.weight")
             self.layers: list[_Layer] = []
             for i in range(cfg.num_layers):
@@ -226,6 +235,16 @@ class ModelRunner:
                                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.weight_bytes += weight_bytes(self.lm_head)
         self.resident_weight_bytes = self.weight_bytes + self.embed.nbytes
+        if self.argmax_head is not None:
+            self.resident_weight_bytes += self.argmax_head.nbytes
+
+    def step_weight_bytes(self, rows: int, argmax_only: bool = False) -> int:
+        """Bytes of weights one forward step of `rows` logit rows reads: every linear layer once, and
+        the dense LM head, or the screened one's 4-bit copy when the step takes it (see `forward`)."""
+        head = self.argmax_head
+        if head is not None and argmax_only and rows <= head.max_rows:
+            return self.weight_bytes - weight_bytes(self.lm_head) + weight_bytes(head)
+        return self.weight_bytes
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -402,5 +421,8 @@ class ModelRunner:
             gate, up = layer.gate_up(self._rms(x, layer.ln2)).view(T, 2, inter).unbind(1)
             x.add_(layer.down(F.silu(gate).mul_(up)))
 
-        last = x.index_select(0, rows_out)
-        return self.lm_head(self._rms(last, self.norm))
+        h = self._rms(x.index_select(0, rows_out), self.norm)
+        head = self.argmax_head
+        if head is not None and len(items) <= head.max_rows and all(it.argmax_only for it in items):
+            return head(h)  # float32 already
+        return self.lm_head(h)

@@ -66,7 +66,9 @@ class Scheduler:
     iteration_token_target: tokens per contended iteration beyond which they are shared by tier and
     weight (None: the token budget, i.e. never). lower_tier_token_target: tokens per iteration the
     lower tiers together may take while a higher tier has work (None: no limit; default 4;
-    worker/scheduling/decode_share.py). Raises ValueError on non-positive sizes.
+    worker/scheduling/decode_share.py). max_partial_prefills: most requests in partial prefill at
+    once (None: no limit; `SchedulingCore`). Raises ValueError on non-positive sizes (the core checks
+    them: it names max_num_batched_tokens chunk_tokens).
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, block_manager: BlockManager,
@@ -74,14 +76,10 @@ class Scheduler:
                  max_skips: int = 8, clock: Callable[[], float] = time.monotonic,
                  quota: KVQuota | None = None, returning_preemption: bool = True,
                  tiers: TierShares | None = None, iteration_token_target: int | None = None,
-                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
-        if max_num_batched_tokens < 1 or max_running < 1 or prefill_slice < 1:
-            raise ValueError("max_num_batched_tokens, max_running and prefill_slice must be >= 1")
+                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                 max_partial_prefills: int | None = None) -> None:
         self.cost = cost
         self.blocks = block_manager
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_running = max_running
-        self.prefill_slice = prefill_slice
         self.clock = clock
         self.by_id: dict[str, Sequence] = {}
         self.core = SchedulingCore(policy, cost, self, total_blocks=block_manager.num_blocks,
@@ -89,7 +87,8 @@ class Scheduler:
                                    prefill_slice=prefill_slice, max_skips=max_skips, quota=quota,
                                    returning=returning_preemption, tiers=tiers,
                                    iteration_token_target=iteration_token_target,
-                                   lower_tier_token_target=lower_tier_token_target)
+                                   lower_tier_token_target=lower_tier_token_target,
+                                   max_partial_prefills=max_partial_prefills)
 
     # ---- the core's Executor protocol -----------------------------------------------------------
     def admission_need(self, seq: Sequence) -> int:
@@ -222,7 +221,7 @@ class Scheduler:
         """
         core = self.core
         core.begin_iteration(self.blocks.num_free, self._promised())
-        budget = self.max_num_batched_tokens
+        budget = core.chunk_tokens
         chunks: dict[str, ScheduledChunk] = {}
         decoding = [e for e in core.running.values() if e.handle.num_uncomputed == 1]
         decodes, prefill_budget = core.plan_iteration(decoding, budget)
@@ -280,7 +279,7 @@ class Scheduler:
                 self._charge_cached(chunks, seq)
             have = core.allocated(e)
             # a running partial prefill takes a smaller slice when memory is short
-            n = min(self.prefill_slice, seq.num_uncomputed - have, core.prefill_budget, self._room(seq, have))
+            n = min(core.prefill_slice, seq.num_uncomputed - have, core.prefill_budget, self._room(seq, have))
             if n <= 0:
                 core.cannot_serve(e)
                 continue

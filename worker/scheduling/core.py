@@ -53,6 +53,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from fairshare.checks import require_at_least
 from worker.scheduling.cost import CostFunction
 from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
                                              DEFAULT_TIER_GRACE_ITERATIONS, plan_iteration)
@@ -175,18 +176,23 @@ class SchedulingCore:
     lower_tier_token_target: tokens an iteration the lower tiers together take while a higher tier
     has work (None: no limit); `tier_grace_iterations` and `lower_tier_idle_token_target`
     (attributes) the grace after it stops and the lower tiers' tokens meanwhile
-    (`worker.scheduling.decode_share`). Raises ValueError on bad sizes.
+    (`worker.scheduling.decode_share`).
+    max_partial_prefills: most running requests left with prefill to do at the end of a round
+    (None: no limit). A waiting head is admitted while fewer running requests than that have prefill
+    left, or when this pick finishes its whole prefill (`admissible`). SGLang keeps one
+    `Scheduler.chunked_req` (its plugin passes 1); vLLM calls the same limit
+    `max_num_partial_prefills`. Raises ValueError on bad sizes.
     """
 
     def __init__(self, policy: SchedulingPolicy, cost: CostFunction, executor: Executor, *, total_blocks: int,
                  max_running: int, chunk_tokens: int = 512, prefill_slice: int = 16, max_skips: int = 8,
                  quota: KVQuota | None = None, returning: bool = True, tiers: TierShares | None = None,
                  iteration_token_target: int | None = None,
-                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET) -> None:
-        if chunk_tokens < 1 or prefill_slice < 1 or any(
-                t is not None and t < 1 for t in (iteration_token_target, lower_tier_token_target)):
-            raise ValueError("chunk_tokens, prefill_slice, iteration_token_target and lower_tier_token_target "
-                             "must be >= 1")
+                 lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                 max_partial_prefills: int | None = None) -> None:
+        require_at_least(1, chunk_tokens=chunk_tokens, prefill_slice=prefill_slice,
+                         iteration_token_target=iteration_token_target, lower_tier_token_target=lower_tier_token_target,
+                         max_partial_prefills=max_partial_prefills)
         self.policy = policy
         self.cost = cost
         self.executor = executor
@@ -199,6 +205,7 @@ class SchedulingCore:
         self.prefill_slice = prefill_slice
         self.iteration_token_target = iteration_token_target or chunk_tokens
         self.lower_tier_token_target = lower_tier_token_target
+        self.max_partial_prefills = max_partial_prefills
         self.tier_grace_iterations = DEFAULT_TIER_GRACE_ITERATIONS
         self.lower_tier_idle_token_target = DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET
         self._tier_last_work: dict[str, int] = {}   # tier -> last iteration it had work (decode_share)
@@ -226,6 +233,7 @@ class SchedulingCore:
         self._budget = 0
         self._alloc: dict[str, int] = {}
         self._out: set[str] = set()        # tenants taken out of the round (stashed or without work)
+        self._partial_wait: set[str] = set()  # of those, tenants whose head waits for the partial-prefill limit
         self._dead: set[str] = set()       # tiers with no candidate left this round
         self._unfit: dict[str, tuple[str, int]] = {}
         self._touched: set[str] = set()
@@ -447,6 +455,7 @@ class SchedulingCore:
         self._out = set()
         self._dead = set()
         self._unfit = {}
+        self._partial_wait = set()
         self.ledger.sync(free_blocks, promised_blocks, len(self.running))
         self._no_slot_now = None
         self._refresh()
@@ -540,6 +549,9 @@ class SchedulingCore:
         tid, rid = ts.tenant_id, e.request_id
         if self.ledger.free_slots(tid, rid) <= 0:
             return False
+        if self.max_partial_prefills is not None and not self._partial_fits(e):
+            self._partial_wait.add(tid)  # back in the round once a partial prefill finishes (`served`)
+            return False
         need = e.need = self.executor.admission_need(e.handle)
         if self.quota is not None and not self.gate.holds(rid):
             why = self.room.quota_refusal(ts, need)
@@ -555,6 +567,22 @@ class SchedulingCore:
             self._unfit[tid] = (rid, need)
             return False
         return True
+
+    def _partial_fits(self, e: Entry) -> bool:
+        """The partial-prefill limit (`max_partial_prefills`): waiting `e` may be admitted while
+        fewer running requests than the limit have prefill left beyond what they were given this
+        round, or when this pick can finish its whole prefill (the slice, the budget and the room
+        the executor reports all cover it)."""
+        left, alloc = self.executor.prefill_left, self._alloc
+        open_ = 0
+        for tid in self._partial_tenants:
+            for p in self.tenants[tid].partials:
+                if p.running and left(p.handle) - alloc.get(p.request_id, 0) > 0:
+                    open_ += 1
+        if open_ < self.max_partial_prefills:
+            return True
+        need = max(1, left(e.handle))
+        return need <= min(self.prefill_slice, self._budget) and need <= self.executor.prefill_room(e.handle, 0)
 
     def admit(self, e: Entry) -> None:
         """Admit waiting head `e` (returned by `next_prefill`): it takes a slot and its need."""
@@ -601,6 +629,14 @@ class SchedulingCore:
             self._tier_prefill_cap[ts.sched_tier] -= tokens
         self._touched.add(ts.tenant_id)
         self._sticky = ts  # back in its heap when another tenant gets the turn (`next_prefill`)
+        if self._partial_wait and self.executor.prefill_left(e.handle) - self._alloc[e.request_id] <= 0:
+            # a partial prefill finished: heads held back by the partial-prefill limit may start now
+            for tid in sorted(self._partial_wait):
+                self._out.discard(tid)
+                self._dead.discard(self.tenants[tid].sched_tier)
+                if tid != ts.tenant_id:
+                    self._repush(self.tenants[tid])
+            self._partial_wait = set()
 
     @property
     def prefill_budget(self) -> int:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fairshare.checks import require_at_least
+
 # hold kinds
 RESERVATION = "reservation"   # eligibility: bounded skips, then memory reserved (kept across iterations)
 RECLAIM = "reclaim"           # KV quotas: room made for a within-quota tenant's head
@@ -65,15 +67,13 @@ class KVLedger:
     """
 
     def __init__(self, total_blocks: int, max_running: int, headroom_blocks: int = 0) -> None:
-        if total_blocks < 1 or max_running < 1 or headroom_blocks < 0:
-            raise ValueError("total_blocks and max_running must be >= 1, headroom_blocks >= 0")
+        require_at_least(1, total_blocks=total_blocks, max_running=max_running)
+        require_at_least(0, headroom_blocks=headroom_blocks)
         self.total_blocks = total_blocks
         self.max_running = max_running
         self.headroom = headroom_blocks
-        self.free = total_blocks
-        self.promised = 0
-        self.running = 0
         self.holds: list[Hold] = []
+        self.sync(free=total_blocks, promised=0, running=0)  # an empty pool until the executor reports
 
     # ---- what the executor reports ----------------------------------------------------------
     def sync(self, free: int, promised: int, running: int) -> None:

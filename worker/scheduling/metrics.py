@@ -220,6 +220,9 @@ class FairnessMetrics:
     diff_series: list[tuple[float, float]]  # (time, max current co-backlogged weighted difference)
     slo: tuple[float, float]
     busy_tokens_per_s: float = 0.0  # whole log: (prompt + output tokens) / Σ iteration time
+    # where `max_pair_diff_units` comes from: the pair (i, j), the start of their co-backlogged stretch
+    # and the end of the step that reached the max (seconds); None without co-backlogged pairs
+    max_pair_witness: tuple[str, str, float, float] | None = None
 
 
 def compute_metrics(log: EventLog, cost, window: tuple[float, float] | None = None,
@@ -280,7 +283,7 @@ def compute_metrics(log: EventLog, cost, window: tuple[float, float] | None = No
         m.itl_mean_s, m.itl_p99_s = mean(itl[t]), percentile(itl[t], 99)
 
     _service_and_gps(log, cost, tenants, backlog, t0, t1)
-    diff, series = _pairwise_difference(steps, tenants, backlog, t0, t1)
+    diff, series, witness = _pairwise_difference(steps, tenants, backlog, t0, t1)
     for m in tenants.values():
         m.service_units_per_s = m.service_units / span
     xs = [m.service_units / m.gps_units for m in tenants.values() if m.gps_units > 0]
@@ -289,7 +292,8 @@ def compute_metrics(log: EventLog, cost, window: tuple[float, float] | None = No
         tenants=tenants, window=(t0, t1), max_pair_diff_units=diff, jain=jain_index(xs),
         service_units_per_s=sum(m.service_units for m in tenants.values()) / span,
         output_tokens_per_s=out_tokens / span, goodput_rps=sum(m.goodput_rps for m in tenants.values()),
-        diff_series=series, slo=(ttft_slo_s, itl_slo_s), busy_tokens_per_s=busy_throughput(log))
+        diff_series=series, slo=(ttft_slo_s, itl_slo_s), busy_tokens_per_s=busy_throughput(log),
+        max_pair_witness=witness)
 
 
 def busy_throughput(log: EventLog) -> float:
@@ -360,14 +364,16 @@ def _service_and_gps(log: EventLog, cost, tenants, backlog, t0: float, t1: float
 
 
 def _pairwise_difference(steps, tenants, backlog, t0: float, t1: float):
-    """Max over co-backlogged pairs and sub-intervals of the weighted service difference, plus a
-    per-step series of the largest current difference (for plots)."""
+    """Max over co-backlogged pairs and sub-intervals of the weighted service difference, a per-step
+    series of the largest current difference (for plots), and the max's witness: (i, j, start of
+    their co-backlogged stretch, end of the step that reached it), or None."""
     names = sorted(tenants)
     ptr = {t: 0 for t in names}
     cum = {t: 0.0 for t in names}
-    # per pair: (lo, hi) of D = S_i/w_i − S_j/w_j since their co-backlogged interval began, or None
-    state: dict[tuple[str, str], tuple[float, float] | None] = {}
+    # per pair: (lo, hi, start) of D = S_i/w_i − S_j/w_j since their co-backlogged interval began
+    state: dict[tuple[str, str], tuple[float, float, float]] = {}
     best = 0.0
+    witness = None
     per_tenant = {t: 0.0 for t in names}
     series: list[tuple[float, float]] = []
     for st in steps:
@@ -390,13 +396,15 @@ def _pairwise_difference(steps, tenants, backlog, t0: float, t1: float):
                 i, j = active[x], active[y]
                 live.add((i, j))
                 d0, d1 = before[i] - before[j], cum[i] - cum[j]
-                lo_hi = state.get((i, j))
-                lo, hi = (min(d0, d1), max(d0, d1)) if lo_hi is None else (min(lo_hi[0], d1), max(lo_hi[1], d1))
-                state[(i, j)] = (lo, hi)
+                prev = state.get((i, j))
+                lo, hi, since = ((min(d0, d1), max(d0, d1), st.start) if prev is None
+                                 else (min(prev[0], d1), max(prev[1], d1), prev[2]))
+                state[(i, j)] = (lo, hi, since)
                 spread = hi - lo
                 current = max(current, spread)
                 if spread > best:
                     best = spread
+                    witness = (i, j, since, st.end)
                 per_tenant[i] = max(per_tenant[i], spread)
                 per_tenant[j] = max(per_tenant[j], spread)
         for key in list(state):
@@ -405,4 +413,4 @@ def _pairwise_difference(steps, tenants, backlog, t0: float, t1: float):
         series.append((st.end, current))
     for t in names:
         tenants[t].max_pair_diff_units = per_tenant[t]
-    return best, series
+    return best, series, witness

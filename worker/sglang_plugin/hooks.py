@@ -15,7 +15,7 @@ Targets (SGLang 0.5.23):
 | `sglang.srt.managers.scheduler.Scheduler._add_request_to_queue(self, req, is_retracted=False)` | BEFORE | verify the tenant, enforce its namespace, lift on arrival (not for retracted requests) |
 | `sglang.srt.managers.schedule_policy.SchedulePolicy.calc_priority(self, waiting_queue, running_batch=None, processed_tokens=0)` | AFTER | order the waiting queue: the core's plan for the pass, then `SchedulingCore.admission_order()` |
 | `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch)` | BEFORE | one iteration of the scheduling core (`FairShareState.begin_pass`): its preemptions, carried out with SGLang's release functions, and its prefill plan |
-| `sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class(self) -> type` | REPLACE | `FairSharePrefillAdder`: admits exactly the plan (tokens per request), skips the rest, parks the chunk |
+| `sglang.srt.managers.scheduler.Scheduler.get_prefill_adder_class(self) -> type` | REPLACE | `FairSharePrefillAdder`: admits exactly the plan (tokens per request) on the room there is now, skips the rest, parks the chunk |
 | `sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill(self, running_batch) -> NextBatchPlan` | AFTER | charge the prefill (uncached prompt tokens) of the new batch; planned admissions SGLang refused go back to the core's queue; retire requests aborted while waiting |
 | `sglang.srt.managers.scheduler.Scheduler.process_batch_result(self, batch, result)` | AFTER | charge output tokens as `output_ids` grow; retire finished requests |
 | `sglang.srt.managers.scheduler.Scheduler.get_internal_state(self, recv_req) -> GetInternalStateReqOutput` | AFTER | add the scheduler's FairShare figures (`internal_state["fairshare"]`) |
@@ -120,8 +120,36 @@ def prefill_adder_class():
     if _adder_class is not None:
         return _adder_class
     from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
 
     class FairSharePrefillAdder(PrefillAdder):
+        """With a plan, KV admission is the core's (docs/sglang-backend.md "cannot" 4, now done):
+        on SGLang's token pool (`PrefillBudget` itself, not its SWA / Mamba variants) the
+        adder keeps only what a pass physically needs, room now for the extends, one page each and
+        the decodes riding along, and drops SGLang's estimates of future decode tokens (the running
+        batch's `max_new_tokens × new_token_ratio` in `total_offset`, each admission's own
+        `max_new_tokens`): the core admitted on the room there is now, as the reference engine
+        does, and a decode that runs short is SGLang's retraction (`retract_decode`, victims from
+        the core), as it is the reference's recompute preemption."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            state = _state
+            self._room_now = (state is not None and state.plan is not None
+                              and type(self.memory_budget) is PrefillBudget)
+            if self._room_now:
+                self.memory_budget.total_offset = self.memory_budget.current_offset
+
+        def _check_prefill_budget(self, req, *, extend_input_len, total_tokens, swa_host_hit_length, chunk_limit):
+            if self._room_now:
+                total_tokens -= self._swa_new_tokens(req)  # add_one_req's own max_new, left out
+            return super()._check_prefill_budget(req, extend_input_len=extend_input_len, total_tokens=total_tokens,
+                                                 swa_host_hit_length=swa_host_hit_length, chunk_limit=chunk_limit)
+
+        def _update_prefill_budget(self, prefix_len, extend_input_len, max_new_tokens, *args, **kwargs):
+            return super()._update_prefill_budget(prefix_len, extend_input_len, 0 if self._room_now else max_new_tokens,
+                                                  *args, **kwargs)
+
         def add_chunked_req(self, req):
             state = _state
             if state is None or state.plan is None:

@@ -39,14 +39,6 @@ log = logging.getLogger("fairshare.sglang_plugin")
 TAG_ATTR = "fairshare_tag"
 
 
-def _clip_max_new_tokens() -> int:
-    """SGLang's `schedule_policy.CLIP_MAX_NEW_TOKENS` (its env `SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`,
-    default 4096), read the same way without importing SGLang."""
-    import os
-
-    return int(os.environ.get("SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION", "4096"))
-
-
 @dataclass
 class TrackedRequest:
     """One live request as the plugin accounts it.
@@ -116,6 +108,7 @@ class FairShareState:
         self.scheduler = None                   # the SGLang Scheduler this state serves
         self._batch = None                      # the running batch of the pass being planned
         self._sglang_retracted = False          # a preemption SGLang already carried out
+        self._cached: dict[str, int] = {}       # rid -> cached prefix matched for this pass's plan
         self.plan: PassPlan | None = None
 
     # ---- the core -----------------------------------------------------------------------------
@@ -142,7 +135,8 @@ class FairShareState:
                                enabled=self.tier_scheduling)
             self._core = SchedulingCore(self.policy, self.cost, self, total_blocks=total, max_running=slots,
                                         chunk_tokens=chunk, prefill_slice=chunk, max_skips=self.max_skips,
-                                        quota=quota, returning=self.returning, tiers=tiers)
+                                        quota=quota, returning=self.returning, tiers=tiers,
+                                        max_partial_prefills=1)
         return self._core
 
     def bind(self, scheduler) -> None:
@@ -164,10 +158,27 @@ class FairShareState:
     def _total(req) -> int:
         return len(req.origin_input_ids) + len(req.output_ids)
 
-    @staticmethod
-    def _computed(req) -> int:
+    def _computed(self, req) -> int:
+        """Tokens of `req` whose KV is there: committed, or, for a request the current plan
+        admits, the cached prefix SGLang's radix tree matched (`_match_prefix`)."""
         kv = getattr(req, "kv", None)
-        return int(getattr(kv, "kv_committed_len", 0) or 0) if kv is not None else int(getattr(req, "extend_end", 0) or 0)
+        done = int(getattr(kv, "kv_committed_len", 0) or 0) if kv is not None else int(getattr(req, "extend_end", 0) or 0)
+        return max(done, self._cached.get(req.rid, 0))
+
+    def _match_prefix(self, req) -> None:
+        """On the core's admission of waiting `req` in a pass plan: match its prompt against
+        SGLang's radix tree as the prefill loop is about to (`Req.init_next_round_input`, called
+        again by `_get_new_batch_prefill_raw` before `add_one_req`), so that the plan gives it only
+        the tokens the tree does not hold, as the reference engine attaches a cached prefix on
+        admission (`BlockManager.attach_prefix`)."""
+        s = self.scheduler
+        cache = getattr(s, "tree_cache", None)
+        if cache is None or getattr(s, "disable_radix_cache", False) or not hasattr(req, "init_next_round_input"):
+            return
+        req.init_next_round_input(cache)
+        cached = int(getattr(req, "prefix_len", 0) or 0)
+        if cached > 0:
+            self._cached[req.rid] = cached
 
     def admission_need(self, req) -> int:
         """Pages a waiting request takes from SGLang's prefill budget to be admitted whole: its
@@ -176,32 +187,15 @@ class FairShareState:
         its prompt and outputs only."""
         return self._pages(self._total(req))
 
-    @staticmethod
-    def _new_tokens_left(req) -> int:
-        params = getattr(req, "sampling_params", None)
-        max_new = int(getattr(params, "max_new_tokens", 0) or 0)
-        return max(0, min(max_new - len(req.output_ids), _clip_max_new_tokens()))
-
-    def decode_reserve(self) -> int:
-        """Tokens SGLang's `PrefillAdder.__init__` holds back from admissions for the running batch
-        (`memory_budget.total_offset`): each running request's remaining new tokens (clipped) times
-        `new_token_ratio` (1 for `ignore_eos`), plus one token per decode riding along with mixed
-        chunked prefill. The core is told the free room less this, so it plans only admissions
-        SGLang's adder carries out (docs/sglang-backend.md "cannot" 4)."""
+    def mixed_decode_tokens(self) -> int:
+        """Tokens the pass's decodes take beside the prefill: one per running request when they
+        ride along with mixed chunked prefill (`PrefillAdder.__init__`'s
+        `num_mixed_decode_tokens`, in `memory_budget.current_offset`), else none."""
         s = self.scheduler
-        batch = self._batch if self._batch is not None else getattr(s, "running_batch", None)
-        reqs = list(getattr(batch, "reqs", None) or ())
-        if not reqs:
+        if not getattr(s, "is_mixed_chunk", False):
             return 0
-        tracker = getattr(s, "new_token_ratio_tracker", None)
-        ratio = float(getattr(tracker, "current", 1.0)) if tracker is not None else 1.0
-        total = 0.0
-        for r in reqs:
-            r_ratio = 1.0 if getattr(r.sampling_params, "ignore_eos", False) else ratio
-            total += self._new_tokens_left(r) * r_ratio
-        if getattr(s, "is_mixed_chunk", False):
-            total += len(reqs)
-        return int(-(-total // 1))
+        batch = self._batch if self._batch is not None else getattr(s, "running_batch", None)
+        return len(getattr(batch, "reqs", None) or ())
 
     def blocks_held(self, req) -> int:
         kv = getattr(req, "kv", None)
@@ -215,8 +209,8 @@ class FairShareState:
         return n if n > 1 else 0
 
     def prefill_room(self, req, have: int) -> int:
-        """Tokens a running prefill can take this pass: its pages and the free room less SGLang's
-        decode reserve, as `PrefillAdder.add_chunked_req` limits a continued chunk; when that is
+        """Tokens a running prefill can take this pass: its pages and the free room (`free_blocks`),
+        as `PrefillAdder.add_chunked_req` limits a continued chunk; when that is
         used up, what the pool physically has (SGLang continues a chunk regardless, so that it
         finishes and frees its KV: `PrefillBudget.available_chunk_tokens`)."""
         held, computed, page = self.blocks_held(req), self._computed(req), self.page_size
@@ -230,12 +224,15 @@ class FairShareState:
         return int(s.token_to_kv_pool_allocator.available_size()) + int(s.tree_cache.evictable_size())
 
     def free_blocks(self) -> int:
-        """Pages an admission can get now as SGLang's prefill budget counts them: free plus evictable,
-        less the decode reserve for the running batch (`decode_reserve`) and one token (SGLang
-        admits while a request's tokens are strictly below the budget). Unbound: the whole pool."""
+        """Pages an admission can get now: free plus evictable, less the decodes riding along with
+        mixed chunked prefill (`mixed_decode_tokens`) and one token (SGLang admits while a
+        request's tokens are strictly below its budget). SGLang's estimates of future decode tokens
+        are not held back: with a plan, `FairSharePrefillAdder` drops them from its budget, so
+        admission is the core's rule on the room there is now, the reference engine's (a decode
+        that runs short is retracted). Unbound: the whole pool."""
         if self.scheduler is None:
             return self.core.ledger.total_blocks
-        return max(0, self._physical_free() - self.decode_reserve() - 1) // self.page_size
+        return max(0, self._physical_free() - self.mixed_decode_tokens() - 1) // self.page_size
 
     def preempt(self, req) -> None:
         """Carry out the core's recompute preemption with SGLang's own functions (as
@@ -387,8 +384,9 @@ class FairShareState:
                         core.admit(e)
                         self.tracked[e.request_id].admitted = True
                         plan.admitted.append(req)
+                        self._match_prefix(req)
                     have = core.allocated(e)
-                    n = min(core.prefill_slice, self.prefill_left(req) - have, core.prefill_budget,
+                    n = min(core.prefill_slice, self._total(req) - self._computed(req) - have, core.prefill_budget,
                             self.prefill_room(req, have))
                     if n <= 0:
                         core.cannot_serve(e)
@@ -410,14 +408,19 @@ class FairShareState:
 
     def _charge_planned(self, req, start: int, n: int) -> None:
         """Charge the prompt positions in [start, start+n) never charged before (as the reference
-        charges a slice when it is scheduled; `charge_prefill` then finds them accounted)."""
+        charges a slice when it is scheduled; `charge_prefill` then finds them accounted). Prompt
+        positions below `start` never charged before are the cached prefix the plan matched: charged
+        at the cost function's cached rate, as the reference charges an attached prefix."""
         tr = self.tracked[req.rid]
-        lo = max(start, tr.prompt_accounted)
+        done = tr.prompt_accounted
+        cached = max(0, min(start, tr.prompt_len) - done)
+        lo = max(start, done)
         hi = min(start + n, tr.prompt_len)
-        if hi > lo:
-            units = self.cost.prefill(hi - lo, 0, start=lo)
-            self.policy.charge(tr.tag.tenant_id, units, prompt_tokens=hi - lo, request_id=tr.rid)
-            tr.prompt_accounted = hi
+        computed = max(0, hi - lo)
+        if computed or cached:
+            units = self.cost.prefill(computed, cached, start=done)
+            self.policy.charge(tr.tag.tenant_id, units, prompt_tokens=computed, request_id=tr.rid)
+            tr.prompt_accounted = max(done, hi, min(start, tr.prompt_len))
 
     def planned_tokens(self, req) -> int | None:
         """Tokens the current pass's plan gives `req` (None: not in the plan, or no plan)."""
@@ -428,6 +431,7 @@ class FairShareState:
         memory check refused them, sglang-backend.md "cannot" 4, or a second partial prefill,
         "cannot" 1) go back to the front of their tenant's queue in the core. Returns their ids."""
         plan, self.plan = self.plan, None
+        self._cached = {}
         if plan is None:
             return []
         ran = {r.rid for r in (batch.reqs if batch is not None else ())}
