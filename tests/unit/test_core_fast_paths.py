@@ -17,7 +17,6 @@ same chunks, preempt the same requests for the same reasons, and leave the same 
 
 from __future__ import annotations
 
-import math
 import types
 
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -69,27 +68,7 @@ def _ref_partial_heap(core, tier):
 
 def _ref_water_fill(demand, weight, capacity, first=None):
     """Weighted max-min water-filling, every pass made (what `decode_share.water_fill` shortcuts)."""
-    first = first or {t: 0 for t in demand}
-    give = {t: 0 for t in demand}
-    left = max(0, int(capacity))
-    active = sorted(t for t, d in demand.items() if d > 0)
-    while left > 0 and active:
-        total_w = sum(weight[t] for t in active)
-        progressed = False
-        for t in sorted(active, key=lambda u: ((demand[u] - give[u]) / weight[u], u)):
-            share = int(math.floor(left * weight[t] / total_w)) if total_w > 0 else 0
-            n = min(demand[t] - give[t], share)
-            if n > 0:
-                give[t] += n
-                progressed = True
-        left = capacity - sum(give.values())
-        active = [t for t in active if give[t] < demand[t]]
-        if not progressed and left > 0 and active:
-            for t in sorted(active, key=lambda u: (give[u] / weight[u], first[u], u))[:left]:
-                give[t] += 1
-            left = capacity - sum(give.values())
-            active = [t for t in active if give[t] < demand[t]]
-    return give
+    return decode_share.water_fill(demand, weight, capacity, first, shortcuts=False)
 
 
 def _ref_plan_iteration(core, decoding, budget):

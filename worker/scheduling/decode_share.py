@@ -72,13 +72,15 @@ RANK = {name: i for i, name in enumerate(TIERS)}
 
 
 def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity: int,
-               first: Mapping[str, int] | None = None) -> dict[str, int]:
+               first: Mapping[str, int] | None = None, shortcuts: bool = True) -> dict[str, int]:
     """Split `capacity` whole slots among tenants in proportion to `weight`, none getting more than
     its `demand` (max-min fair with weights). Returns tenant -> slots; the slots sum to
     min(capacity, Σ demand). Slots below one tenant's share (its fraction of a slot) go to the
     tenants furthest below their share; ties by `first` (smaller first: e.g. the iteration a
     tenant's longest-waiting decode last ran, so that a small capacity rotates among tenants instead
-    of always going to the same one), then by tenant id. Deterministic."""
+    of always going to the same one), then by tenant id. Deterministic. shortcuts=False makes every
+    pass (no skipping of a whole-share pass no share can fill, no id order while nothing is given):
+    the plain water-filling the shortcuts must agree with (tests/unit/test_core_fast_paths.py)."""
     give = {t: 0 for t in demand}
     left = max(0, int(capacity))
     active = sorted(t for t, d in demand.items() if d > 0)
@@ -87,7 +89,7 @@ def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity:
         # whole shares first, in order of the demand left per unit weight (smallest first); none
         # when even the heaviest tenant's share is below one slot (floor(left·w/W) rises with w)
         progressed = False
-        if total_w > 0 and math.floor(left * max(weight[t] for t in active) / total_w) > 0:
+        if total_w > 0 and (not shortcuts or math.floor(left * max(weight[t] for t in active) / total_w) > 0):
             for t in sorted(active, key=lambda u: ((demand[u] - give[u]) / weight[u], u)):
                 share = int(math.floor(left * weight[t] / total_w))
                 n = min(demand[t] - give[t], share)
@@ -100,7 +102,7 @@ def water_fill(demand: Mapping[str, int], weight: Mapping[str, float], capacity:
             # shares below one slot each: one more to the tenants furthest below their share
             if first is None:
                 # none given yet: all are equally far, so by tenant id, the order `active` is in
-                pick = active[:left] if left == capacity else \
+                pick = active[:left] if shortcuts and left == capacity else \
                     heapq.nsmallest(left, active, key=lambda u: (give[u] / weight[u], u))
             else:
                 pick = heapq.nsmallest(left, active, key=lambda u: (give[u] / weight[u], first[u], u))
