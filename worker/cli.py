@@ -9,7 +9,8 @@
                      [--metrics-port 0] [--metrics-host HOST] [--metrics-max-tenants 64]
                      [--otel-exporter none|console|otlp]
                      [--tier-min-share TIER=FRAC ...] [--no-tier-scheduling] [--iteration-token-target N]
-                     [--lower-tier-token-target 1]
+                     [--lower-tier-token-target 1] [--lower-tier-grace-iterations 1024]
+                     [--lower-tier-idle-token-target 16]
                      [--kv-quota | --no-kv-quota] [--kv-watermark 0.8] [--kv-headroom 0.05]
                      [--kv-shared-buffer 0] [--kv-hard-cap 1.0]
                      [--kv-soft-quota KEY=FRAC ...] [--kv-hard-cap-for KEY=FRAC ...]
@@ -24,8 +25,10 @@ defaults); `--no-tier-scheduling` schedules every tenant in one tier (tiers are 
 shared by tier and weight (default: the token budget, so nothing changes; docs/fairness.md, "When
 nobody queues").
 `--lower-tier-token-target N`: while a higher tier has work, the lower tiers together take at most N
-tokens of an iteration (decodes and prefill; 16 while it is idle but had work in the last 1024
-iterations), unless owed their minimum share (default 1; 0: no limit), so that the interactive tier's iterations stay short beside a flood (docs/fairness.md, "Tiers").
+tokens of an iteration (decodes and prefill; `--lower-tier-idle-token-target`, 16, while it is idle
+but had work in the last `--lower-tier-grace-iterations`, 1024), unless owed their minimum share
+(default 1; 0: no limit), so that the interactive tier's iterations stay short beside a flood
+(docs/fairness.md, "Tiers").
 `--kv-quota` turns on per-tenant KV quotas (default off; docs/memory-isolation.md): fractions are of
 the KV pool; KEY is a tenant id or a tier (interactive, batch, background), a tenant id winning over
 its tier. The tuning flags need `--kv-quota`.
@@ -50,7 +53,8 @@ import sys
 from worker import grpc_server
 from worker.cache.options import add_cache_arguments, cache_settings
 from worker.pool_service import add_pool_arguments, worker_id_of
-from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
+from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                                             DEFAULT_TIER_GRACE_ITERATIONS)
 
 
 def _positive(kind, zero_ok: bool = False):
@@ -197,6 +201,14 @@ def add_tier_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="tokens per iteration the lower tiers together may take (decodes and prefill) "
                    "while a higher tier has work, unless owed their minimum share; keeps the interactive tier's "
                    f"iterations short (default {DEFAULT_LOWER_TIER_TOKEN_TARGET}; 0: no limit)")
+    g.add_argument("--lower-tier-grace-iterations", type=_positive(int, zero_ok=True),
+                   default=DEFAULT_TIER_GRACE_ITERATIONS, metavar="N",
+                   help="iterations after a higher tier last had work during which the lower tiers still take at "
+                        "most --lower-tier-idle-token-target tokens an iteration, so its next arrival finds a short "
+                        f"iteration in flight (default {DEFAULT_TIER_GRACE_ITERATIONS}; 0: none)")
+    g.add_argument("--lower-tier-idle-token-target", type=_positive(int), default=DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET,
+                   metavar="N", help="tokens per iteration the lower tiers together may take during that grace "
+                   f"(default {DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET})")
 
 
 def tier_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
@@ -217,7 +229,9 @@ def tier_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
         p.error(f"--tier-min-share: {exc}")
     return {"tier_scheduling": bool(args.tier_scheduling), "tier_min_shares": shares,
             "iteration_token_target": args.iteration_token_target,
-            "lower_tier_token_target": args.lower_tier_token_target or None}
+            "lower_tier_token_target": args.lower_tier_token_target or None,
+            "tier_grace_iterations": args.lower_tier_grace_iterations,
+            "lower_tier_idle_token_target": args.lower_tier_idle_token_target}
 # ---- end of tier flags ---------------------------------------------------------------------------------
 
 

@@ -32,6 +32,8 @@ PASS_THROUGH: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--tier-scheduling", (WORKER,)),
     ("--iteration-token-target", (WORKER,)),
     ("--lower-tier-token-target", (WORKER,)),
+    ("--lower-tier-grace-iterations", (WORKER,)),
+    ("--lower-tier-idle-token-target", (WORKER,)),
     ("--max-running", (WORKER,)),
     ("--max-num-batched-tokens", (WORKER,)),
     ("--alpha", (WORKER,)),

@@ -550,14 +550,15 @@ def test_tier_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
     args = container(one(helm.render(), "StatefulSet", "worker"), "worker")["args"]
     assert tier_settings(parser, parser.parse_args(args)) == {  # the defaults, spelled out
         "tier_scheduling": True, "tier_min_shares": {"batch": 0.05, "background": 0.05}, "iteration_token_target": None,
-        "lower_tier_token_target": 1}
+        "lower_tier_token_target": 1, "tier_grace_iterations": 1024, "lower_tier_idle_token_target": 16}
     f = tmp_path / "tiers.yaml"
     f.write_text(yaml.safe_dump({"worker": {"tiers": {"minShares": {"batch": 0.1, "background": 0.02}},
-                                            "iterationTokenTarget": 32, "lowerTierTokenTarget": 0}}))
+                                            "iterationTokenTarget": 32, "lowerTierTokenTarget": 0,
+                                            "lowerTierGraceIterations": 0, "lowerTierIdleTokenTarget": 48}}))
     args = container(one(helm.render((str(f),)), "StatefulSet", "worker"), "worker")["args"]
     assert tier_settings(parser, parser.parse_args(args)) == {
         "tier_scheduling": True, "tier_min_shares": {"batch": 0.1, "background": 0.02}, "iteration_token_target": 32,
-        "lower_tier_token_target": None}
+        "lower_tier_token_target": None, "tier_grace_iterations": 0, "lower_tier_idle_token_target": 48}
     args = container(one(helm.render(sets=("worker.tiers.enabled=false", "worker.iterationTokenTarget=0")),
                          "StatefulSet", "worker"), "worker")["args"]
     assert "--no-tier-scheduling" in args and "--iteration-token-target" not in args

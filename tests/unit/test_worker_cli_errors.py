@@ -37,6 +37,8 @@ BAD_FLAGS = [
     (["--iteration-token-target", "0"], "argument --iteration-token-target: 0 is not > 0"),
     (["--lower-tier-token-target", "-1"], "argument --lower-tier-token-target: -1 is not >= 0"),
     (["--lower-tier-token-target", "x"], "argument --lower-tier-token-target: 'x' is not an integer"),
+    (["--lower-tier-grace-iterations", "-1"], "argument --lower-tier-grace-iterations: -1 is not >= 0"),
+    (["--lower-tier-idle-token-target", "0"], "argument --lower-tier-idle-token-target: 0 is not > 0"),
 ]
 
 

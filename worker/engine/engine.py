@@ -35,7 +35,8 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S, FaultWindow
 from worker.scheduling.cost import make_cost
-from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
+from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                                             DEFAULT_TIER_GRACE_ITERATIONS)
 from worker.scheduling.policy import make_policy
 from worker.scheduling.pool import PoolCounters
 from worker.scheduling.tiers import TierShares
@@ -68,7 +69,9 @@ class EngineConfig:
     which they are shared by tier and weight (None: the token budget, so nothing changes;
     worker/scheduling/decode_share.py). lower_tier_token_target: tokens per iteration the lower
     tiers together may take while a higher tier has work, unless owed their minimum share (None or
-    0: no limit; default 4, docs/fairness.md "Tiers").
+    0: no limit; default 1, docs/fairness.md "Tiers"). tier_grace_iterations /
+    lower_tier_idle_token_target: for that many iterations after the higher tier last had work, the
+    lower tiers still take at most that many tokens an iteration (defaults 1024 / 16).
     kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
     fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
     admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
@@ -110,6 +113,8 @@ class EngineConfig:
     tier_min_shares: dict = field(default_factory=dict)
     iteration_token_target: int | None = None
     lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET
+    tier_grace_iterations: int = DEFAULT_TIER_GRACE_ITERATIONS
+    lower_tier_idle_token_target: int = DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET
     kv_quota: bool = False
     kv_watermark: float = 0.8
     kv_headroom: float = 0.05
@@ -219,7 +224,9 @@ class Engine:
                                    returning_preemption=cfg.returning_preemption and cfg.policy != "fcfs",
                                    tiers=self.tiers, iteration_token_target=cfg.iteration_token_target,
                                    lower_tier_token_target=cfg.lower_tier_token_target or None,
-                                   max_partial_prefills=cfg.max_partial_prefills)
+                                   max_partial_prefills=cfg.max_partial_prefills,
+                                   tier_grace_iterations=cfg.tier_grace_iterations,
+                                   lower_tier_idle_token_target=cfg.lower_tier_idle_token_target)
         self.pool = PoolCounters()  # pool-wide counters; inert until another worker's report arrives
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)

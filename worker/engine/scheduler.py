@@ -28,7 +28,8 @@ from worker.engine.block_manager import BlockManager
 from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
 from worker.scheduling.core import OUT_OF_BLOCKS, SchedulingCore
 from worker.scheduling.cost import CostFunction
-from worker.scheduling.decode_share import DEFAULT_LOWER_TIER_TOKEN_TARGET
+from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
+                                             DEFAULT_TIER_GRACE_ITERATIONS)
 from worker.scheduling.policy import SchedulingPolicy
 from worker.scheduling.quota import KVQuota
 from worker.scheduling.tiers import TierShares
@@ -66,8 +67,9 @@ class Scheduler:
     iteration_token_target: tokens per contended iteration beyond which they are shared by tier and
     weight (None: the token budget, i.e. never). lower_tier_token_target: tokens per iteration the
     lower tiers together may take while a higher tier has work (None: no limit; default 4;
-    worker/scheduling/decode_share.py). max_partial_prefills: most requests in partial prefill at
-    once (None: no limit; `SchedulingCore`). Raises ValueError on non-positive sizes (the core checks
+    worker/scheduling/decode_share.py); tier_grace_iterations / lower_tier_idle_token_target: the
+    grace after the higher tier's last work and the lower tiers' tokens meanwhile (`SchedulingCore`).
+    max_partial_prefills: most requests in partial prefill at once (None: no limit; `SchedulingCore`). Raises ValueError on non-positive sizes (the core checks
     them: it names max_num_batched_tokens chunk_tokens).
     """
 
@@ -77,7 +79,9 @@ class Scheduler:
                  quota: KVQuota | None = None, returning_preemption: bool = True,
                  tiers: TierShares | None = None, iteration_token_target: int | None = None,
                  lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET,
-                 max_partial_prefills: int | None = None) -> None:
+                 max_partial_prefills: int | None = None,
+                 tier_grace_iterations: int = DEFAULT_TIER_GRACE_ITERATIONS,
+                 lower_tier_idle_token_target: int = DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET) -> None:
         self.cost = cost
         self.blocks = block_manager
         self.clock = clock
@@ -88,7 +92,9 @@ class Scheduler:
                                    returning=returning_preemption, tiers=tiers,
                                    iteration_token_target=iteration_token_target,
                                    lower_tier_token_target=lower_tier_token_target,
-                                   max_partial_prefills=max_partial_prefills)
+                                   max_partial_prefills=max_partial_prefills,
+                                   tier_grace_iterations=tier_grace_iterations,
+                                   lower_tier_idle_token_target=lower_tier_idle_token_target)
 
     # ---- the core's Executor protocol -----------------------------------------------------------
     def admission_need(self, seq: Sequence) -> int:

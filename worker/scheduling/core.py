@@ -174,8 +174,8 @@ class SchedulingCore:
     5 % minimum shares, floor α·chunk/2). iteration_token_target: tokens per contended iteration
     beyond which they are shared by tier and weight (None: the token budget, i.e. never).
     lower_tier_token_target: tokens an iteration the lower tiers together take while a higher tier
-    has work (None: no limit); `tier_grace_iterations` and `lower_tier_idle_token_target`
-    (attributes) the grace after it stops and the lower tiers' tokens meanwhile
+    has work (None: no limit); tier_grace_iterations: iterations after it last had work during which
+    the lower tiers still take at most lower_tier_idle_token_target tokens an iteration
     (`worker.scheduling.decode_share`).
     max_partial_prefills: most running requests left with prefill to do at the end of a round
     (None: no limit). A waiting head is admitted while fewer running requests than that have prefill
@@ -189,10 +189,13 @@ class SchedulingCore:
                  quota: KVQuota | None = None, returning: bool = True, tiers: TierShares | None = None,
                  iteration_token_target: int | None = None,
                  lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET,
-                 max_partial_prefills: int | None = None) -> None:
+                 max_partial_prefills: int | None = None,
+                 tier_grace_iterations: int = DEFAULT_TIER_GRACE_ITERATIONS,
+                 lower_tier_idle_token_target: int = DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET) -> None:
         require_at_least(1, chunk_tokens=chunk_tokens, prefill_slice=prefill_slice,
                          iteration_token_target=iteration_token_target, lower_tier_token_target=lower_tier_token_target,
-                         max_partial_prefills=max_partial_prefills)
+                         max_partial_prefills=max_partial_prefills, lower_tier_idle_token_target=lower_tier_idle_token_target)
+        require_at_least(0, tier_grace_iterations=tier_grace_iterations)
         self.policy = policy
         self.cost = cost
         self.executor = executor
@@ -206,8 +209,8 @@ class SchedulingCore:
         self.iteration_token_target = iteration_token_target or chunk_tokens
         self.lower_tier_token_target = lower_tier_token_target
         self.max_partial_prefills = max_partial_prefills
-        self.tier_grace_iterations = DEFAULT_TIER_GRACE_ITERATIONS
-        self.lower_tier_idle_token_target = DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET
+        self.tier_grace_iterations = tier_grace_iterations
+        self.lower_tier_idle_token_target = lower_tier_idle_token_target
         self._tier_last_work: dict[str, int] = {}   # tier -> last iteration it had work (decode_share)
         self._tier_prefill_cap: dict[str, int] | None = None
         self._partial_heaps: dict[str, list] | None = None
