@@ -144,6 +144,8 @@ def from_validation_error(errors: list[dict[str, Any]]) -> APIError:
     param = _loc_to_param(first.get("loc", ()))
     msg = str(first.get("msg", "invalid value"))
     typ = first.get("type", "")
+    if typ == "value_error" and isinstance((first.get("ctx") or {}).get("error"), Exception):
+        msg = str(first["ctx"]["error"])  # our validator's own words, without pydantic's "Value error, "
     if typ == "missing":
         message = f"Missing required parameter: '{param}'."
         code = "missing_required_parameter"

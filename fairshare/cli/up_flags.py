@@ -70,6 +70,7 @@ PASS_THROUGH: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--keepalive-interval-s", (GATEWAY,)),
     ("--redis-outage-policy", (GATEWAY,)),
     ("--max-body-bytes", (GATEWAY,)),
+    ("--body-timeout-s", (GATEWAY,)),
     ("--default-max-tokens", (GATEWAY,)),
     ("--tool-call-parser", (GATEWAY,)),
     # both tiers

@@ -42,6 +42,14 @@ def test_chat_validation_errors_name_the_param(body, param, code):
     assert set(e.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("stop,words", [(["a", "b", "c", "d", "e"], "at most 4 stop sequences"),
+                                        ([""], "stop sequences must not be empty")])
+def test_a_validators_message_is_given_in_its_own_words(stop, words):
+    """Our validators' ValueErrors reach the client as written, without pydantic's "Value error, " prefix."""
+    e = err_of(ChatCompletionRequest, {"model": "m", "messages": M, "stop": stop})
+    assert e.message == f"Invalid value for 'stop': {words}", e.message
+
+
 def test_completion_prompt_forms():
     assert CompletionRequest.model_validate({"model": "m", "prompt": "x"}).prompts() == ["x"]
     assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompts() == [[1, 2]]
