@@ -129,7 +129,7 @@ async def plan_request(gw, request: Request, kind: str, tenant: TenantConfig) ->
                           retry_after_s=1)
     body, size = await read_json_body(request, gw.settings.max_body_bytes, gw.settings.body_timeout_s)
     try:
-        req = schemas.validate_request(body, kind)
+        req = schemas.validate_request(body, kind, integral_floats_done=True)
     except ValidationError as e:
         raise from_validation_error(list(e.errors())) from None
     req.refuse_unsupported()
@@ -188,7 +188,7 @@ def _parse_json_object(text: str) -> dict[str, Any]:
     """`text` as a JSON object whose strings are all valid Unicode. Raises APIError 400."""
     nested = invalid_request("The JSON body of your request is nested too deeply.", None, "invalid_json")
     try:
-        body = json.loads(text)
+        body = json.loads(text, parse_float=schemas.json_number)
     except RecursionError:
         raise nested from None
     except ValueError:

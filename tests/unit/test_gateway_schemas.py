@@ -129,3 +129,19 @@ def test_pick_least_inflight_tokens():
     for w in ws:
         w.healthy, w.agrees, w.local_inflight, w.remote_inflight, w.local_at_poll = True, True, 0, 0, 0
     assert {pool.pick("m") for _ in range(6)} == set(ws)
+
+
+def test_integral_json_floats_are_ints_from_the_parser():
+    """`json_number` (the gateway's parse_float hook) does at parse time what `integral_floats_to_int`
+    does by walking the body: 2.0 and 1e3 are ints, 2.5 stays a float; validation agrees either way."""
+    from gateway.schemas import json_number, validate_request
+
+    raw = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1e1, "n": 2.0, "top_p": 0.5}'
+    parsed = json.loads(raw, parse_float=json_number)
+    assert (parsed["max_tokens"], parsed["n"], parsed["top_p"]) == (10, 2, 0.5)
+    assert type(parsed["max_tokens"]) is int and type(parsed["top_p"]) is float
+    fast = validate_request(parsed, "chat", integral_floats_done=True)
+    walked = validate_request(json.loads(raw), "chat")
+    assert fast == walked and fast.max_tokens == 10
+    with pytest.raises(ValidationError):
+        validate_request(json.loads(raw.replace("1e1", "10.5"), parse_float=json_number), "chat", integral_floats_done=True)
