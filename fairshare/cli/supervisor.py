@@ -271,7 +271,8 @@ class ChildSpec:
 
     start(children) spawns it and appends it to `children` (see `spawn`); ready() polls it; serving()
     (optional) polls what must hold before its restart is announced as done (for the worker: the
-    gateway routes to it again). back_note: words added to the "is back" notice.
+    gateway routes to it again). back_note: words added to the "is back" notice; drained_note: the
+    words instead when it ended on a SIGTERM (it drained and settled its requests before it went).
     """
 
     name: str
@@ -280,6 +281,7 @@ class ChildSpec:
     ready_timeout_s: float
     serving: Callable[[], bool] | None = None
     back_note: str = ""
+    drained_note: str | None = None
 
 
 @dataclass
@@ -288,6 +290,7 @@ class _Restart:
     phase: str  # "backoff" -> "starting" -> "serving"
     due: float  # backoff: when to start; starting/serving: the deadline
     child: Child | None = None
+    sigterm: bool = False  # the child ended on a SIGTERM (sent by someone else: it drained first)
 
 
 def shown_path(path: Path | None) -> str:
@@ -375,7 +378,8 @@ class Supervisor:
             os.killpg(child.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        self.pending[name] = _Restart(died_at=now, phase="backoff", due=now + backoff, child=child)
+        self.pending[name] = _Restart(died_at=now, phase="backoff", due=now + backoff, child=child,
+                                      sigterm=child.proc.returncode == -signal.SIGTERM)
 
     def _advance(self, name: str, r: _Restart) -> None:
         spec = self.specs[name]
@@ -411,7 +415,8 @@ class Supervisor:
             return
         del self.pending[name]
         self.restarts[name] = self.restarts.get(name, 0) + 1
-        note = f"; {spec.back_note}" if spec.back_note else ""
+        words = spec.drained_note if r.sigterm and spec.drained_note is not None else spec.back_note
+        note = f"; {words}" if words else ""
         self.notify(f"fairshare up: the {name} is back (pid {child.proc.pid}, restart {self.restarts[name]}), "
                     f"{now - r.died_at:.1f} s after it died{note}")
 

@@ -611,7 +611,9 @@ def _run(args, state: Path, sup: Supervisor) -> int:
                                                                on_line=_gateway_notice),
                              lambda: gateway_ready(probe), GATEWAY_READY_TIMEOUT_S,
                              back_note="requests that were open on it were cut off; their leases expire on "
-                                       "their own"),
+                                       "their own",
+                             drained_note="it drained on its SIGTERM first: open requests finished or were "
+                                          "stopped with an error, and their leases were released"),
     }
 
     try:

@@ -92,6 +92,22 @@ def test_a_dead_child_is_restarted_after_its_backoff_and_announced(sup, tmp_path
     assert not sup.pending and changes[-1] == [second.proc.pid]
 
 
+@pytest.mark.parametrize("sig,note", [(signal.SIGTERM, "; it drained first"), (signal.SIGKILL, "; it is back for real")])
+def test_the_back_notice_says_whether_the_child_drained(sup, tmp_path, sig, note):
+    """A child that ended on a SIGTERM (from someone else) drained before it went: its "is back" notice
+    says so (drained_note) instead of the notice for a crash (back_note)."""
+    spec = sleeper_spec(tmp_path)
+    spec.drained_note = "it drained first"
+    first = sup.launch(spec)
+    os.kill(first.proc.pid, sig)
+    first.proc.wait(10)
+    first.pump.join(5)
+    sup.step()
+    sup.fake_clock.now += 0.5
+    step_until(sup, lambda: back(sup), "the restart announced")
+    assert sup.notes[-1].endswith(note), sup.notes[-1]
+
+
 def test_the_restart_is_announced_only_once_it_serves(sup, tmp_path):
     serving = {"yes": False}
     first = sup.launch(sleeper_spec(tmp_path, serving=lambda: serving["yes"]))
