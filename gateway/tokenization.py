@@ -231,7 +231,10 @@ class ChatTokenizer:
         the GIL while it works and gives the same ids; a batch of one costs the same CPU.
         A text sure to exceed `limit` tokens (`min_tokens`) raises PromptTooLong instead.
         """
-        if limit is not None and (at_least := self.min_tokens(text)) > limit:
+        # a text of at most `limit` characters (at most 4·limit bytes) has a bound of at most `limit`
+        # once a token may stand for 4 bytes or more, as in any real vocabulary: nearly every prompt
+        # is encoded without the check (and without reading the vocabulary for max_token_bytes)
+        if limit is not None and len(text) > limit and (at_least := self.min_tokens(text)) > limit:
             raise PromptTooLong(at_least, limit)
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
@@ -256,9 +259,8 @@ class ChatTokenizer:
         the vocabulary, added tokens included. Under a byte-level pre-tokenizer (GPT-2's ``Ġ`` alphabet)
         each character of a vocabulary token is one byte of text; otherwise a token string's UTF-8
         length bounds what it covers."""
-        spec = json.loads(self.files.tokenizer_json)
-        byte_level = '"ByteLevel"' in json.dumps(spec.get("pre_tokenizer"))
-        added = {t.get("content") for t in spec.get("added_tokens") or ()}
+        byte_level = "ByteLevel(" in repr(self.tokenizer.pre_tokenizer)  # alone or inside a Sequence
+        added = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
 
         def covers(token: str) -> int:
             return len(token) if byte_level and token not in added else len(token.encode("utf-8", "surrogatepass"))
