@@ -117,6 +117,28 @@ def test_a_lower_tiers_few_tokens_rotate_among_its_tenants():
         {"interactive": 30, "background": 2}
 
 
+def test_a_lower_tier_arrival_is_not_held_behind_its_tiers_running_decodes():
+    """Beside interactive work the batch tier gets one token an iteration. A batch request that
+    arrives while another batch request decodes gets its prompt in (its prefill and the tier's
+    decodes take turns, whichever waited longer first), instead of waiting for the interactive
+    tier to go idle: it reaches its first token within twice its prompt length in iterations."""
+    sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(400, 16), 512, 16,
+                      tiers=TierShares({"batch": 0.0, "background": 0.0}), lower_tier_token_target=1)
+    chat, running = seq("chat", out=2000), seq("bulk", out=2000, tier="batch")
+    for q in (chat, running):
+        sched.add(q)
+    while not (chat.output_token_ids and running.output_token_ids):
+        step(sched)
+    late = seq("bulk2", prompt=24, out=4, tier="batch")
+    sched.add(late)
+    for i in range(2 * 24 + 2):
+        step(sched)
+        if late.output_token_ids:
+            break
+    assert late.output_token_ids, "the batch arrival never got its first token beside the running batch decode"
+    assert len(running.output_token_ids) >= 24, "the running batch decode kept about half of the tier's tokens"
+
+
 # ---- the issue's measurements, on the core --------------------------------------------------------
 def both_backlogged(tiers: bool, iterations=600):
     sched = Scheduler(make_policy("vtc"), LinearCost(), BlockManager(512, 16), 256, 16,

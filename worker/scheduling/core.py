@@ -212,6 +212,7 @@ class SchedulingCore:
         self.tier_grace_iterations = tier_grace_iterations
         self.lower_tier_idle_token_target = lower_tier_idle_token_target
         self._tier_last_work: dict[str, int] = {}   # tier -> last iteration it had work (decode_share)
+        self._prefill_wait: dict[str, int] = {}     # held tier -> since when its prefill got no token (decode_share)
         self._tier_prefill_cap: dict[str, int] | None = None
         self._partial_heaps: dict[str, list] | None = None
         self._partial_tenants: set[str] = set()      # tenants that may have a running partial prefill

@@ -49,7 +49,11 @@ flood-sized iteration in flight (1024 iterations: 20-30 s at 20-30 ms an iterati
 iteration for the lower tiers while it is idle within the grace (16 tokens: what is in flight when
 it comes back stays near its own iteration's time, while the lower tiers keep most of their speed),
 and L = 1 while it works (the lower tiers keep moving, a decode at a time, and their minimum share
-comes through the owed rule). The price is the lower tiers' throughput while a higher tier is
+comes through the owed rule). Within a held tier, its prefill and its decodes take turns for its
+few tokens, whichever waited longer first (the decode whose last token is oldest, against the
+iteration since which the tier's pending prefill got none): a request that arrives beside its tier's
+running decodes starts within about twice its prompt in iterations, instead of waiting behind them
+until the higher tier goes idle. The price is the lower tiers' throughput while a higher tier is
 active or was within the grace (docs/fairness.md, "Tiers", with figures); also that of the
 iteration token target: a contended iteration is held at T tokens instead of every runnable one,
 and the skipped requests keep their KV blocks while they wait.
@@ -192,6 +196,8 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
                 # short enough for its next arrival, not to a trickle
                 low_cap = max(low_cap, core.lower_tier_idle_token_target)
     if not contended and not tiered:
+        if core._prefill_wait:
+            core._prefill_wait.clear()
         for e in decoding:
             e.last_decode = core.iteration
         return decoding, None
@@ -206,6 +212,9 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
     held = [t for t in TIERS if tiered and RANK[t] > RANK[top] and work[t] and not core.tiers.owed(t)]
     over_cap = contended and sum(work.values()) > cap
     over_low = bool(held) and sum(work[t] for t in held) > low_cap
+    waits = core._prefill_wait  # held tier -> iteration since which its pending prefill got no token
+    for t in [t for t in waits if not over_low or t not in held or not prefill[t]]:
+        del waits[t]
     if not over_cap and not over_low:
         for e in decoding:
             e.last_decode = core.iteration
@@ -218,8 +227,22 @@ def plan_iteration(core, decoding: list, budget: int) -> tuple[list, int | None]
     it = core.iteration  # every decode that runs is marked with it (`last_decode`), then collected
     for tier in TIERS:
         n = tokens.get(tier, 0)
-        d = min(demand[tier], n)
-        caps[tier] = prefill[tier] if tier == top else max(0, min(prefill[tier], n - d))
+        if over_low and tier in held and prefill[tier]:
+            # a held tier's few tokens: its prefill and its decodes take turns, whichever waited
+            # longer first (a request arriving beside the tier's running decodes gets its prompt
+            # in instead of waiting for the higher tier to go idle)
+            since = waits.get(tier)
+            oldest = min((e.last_decode for e in per_tier[tier]), default=None)
+            first = oldest is None or (since is not None and since <= oldest)
+            caps[tier] = min(prefill[tier], n) if first else max(0, min(prefill[tier], n - demand[tier]))
+            d = min(demand[tier], n - caps[tier])
+            if caps[tier] > 0:
+                waits.pop(tier, None)
+            else:
+                waits.setdefault(tier, it)
+        else:
+            d = min(demand[tier], n)
+            caps[tier] = prefill[tier] if tier == top else max(0, min(prefill[tier], n - d))
         if d >= demand[tier]:  # every decode of the tier runs
             for e in per_tier[tier]:
                 e.last_decode = it
