@@ -72,12 +72,9 @@ class EngineConfig:
     0: no limit; default 1, docs/fairness.md "Tiers"). tier_grace_iterations /
     lower_tier_idle_token_target: for that many iterations after the higher tier last had work, the
     lower tiers still take at most that many tokens an iteration (defaults 1024 / 16).
-    kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
-    fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
-    admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
-    default per-tenant hard cap (fraction of the pool). kv_soft_quotas / kv_hard_caps: per tenant
-    id or tier, a fraction of the pool (soft default: the tenant's weight share). See
-    worker/scheduling/quota.py and docs/memory-isolation.md.
+    kv_quota: the per-tenant KV quota settings (`KVQuotaConfig`: watermark, headroom, shared
+    buffer, hard caps and soft quotas, fractions of the pool; worker/scheduling/quota.py and
+    docs/memory-isolation.md). Default: `KVQuotaConfig(enabled=False)`, the quota-less behaviour.
     prefix_cache: the tenant-namespaced radix prefix cache on. cache_isolation: False only for
     experiments (one global namespace shared by all tenants: the unsafe baseline). public_prefixes:
     token-id lists shared across tenants (whole blocks only). ttft_floor_s: tier -> seconds; a
@@ -115,13 +112,7 @@ class EngineConfig:
     lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET
     tier_grace_iterations: int = DEFAULT_TIER_GRACE_ITERATIONS
     lower_tier_idle_token_target: int = DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET
-    kv_quota: bool = False
-    kv_watermark: float = 0.8
-    kv_headroom: float = 0.05
-    kv_shared_buffer: float = 0.0
-    kv_hard_cap: float = 1.0
-    kv_soft_quotas: dict = field(default_factory=dict)
-    kv_hard_caps: dict = field(default_factory=dict)
+    kv_quota: KVQuotaConfig = field(default_factory=lambda: KVQuotaConfig(enabled=False))
     prefix_cache: bool = True
     cache_isolation: bool = True
     public_prefixes: list = field(default_factory=list)
@@ -129,10 +120,6 @@ class EngineConfig:
     cache_secret: bytes | None = None
     fault_limit: int = DEFAULT_FAULT_LIMIT
     fault_window_s: float = DEFAULT_FAULT_WINDOW_S
-
-    def quota_config(self) -> KVQuotaConfig:
-        return KVQuotaConfig(self.kv_quota, self.kv_watermark, self.kv_headroom, self.kv_shared_buffer,
-                             self.kv_hard_cap, dict(self.kv_soft_quotas), dict(self.kv_hard_caps))
 
 
 @dataclass
@@ -215,7 +202,7 @@ class Engine:
         self.cost = make_cost(cfg.cost, alpha=cfg.alpha, beta=cfg.beta, cached_rate=cfg.cached_rate, profile=cfg.profile)
         options = {"quantum": cfg.drr_quantum} if cfg.policy == "drr" else {}
         self.policy = make_policy(cfg.policy, self.cost, **options)
-        self.quota = KVQuota(cfg.quota_config(), runner.num_kv_blocks) if cfg.kv_quota else None
+        self.quota = KVQuota(cfg.kv_quota, runner.num_kv_blocks) if cfg.kv_quota.enabled else None
         self.tiers = TierShares(cfg.tier_min_shares, floor_units=self.cost.max_prefill_rate * cfg.max_num_batched_tokens / 2,
                                 enabled=cfg.tier_scheduling)
         self.scheduler = Scheduler(self.policy, self.cost, self.block_manager, cfg.max_num_batched_tokens,
