@@ -122,16 +122,31 @@ class EngineConfig:
     fault_window_s: float = DEFAULT_FAULT_WINDOW_S
 
 
+@dataclass(frozen=True)
+class RequestTimings:
+    """How long a request took to reach its first scheduling and its first token: the worker's
+    `Timings` message (proto/fairshare/v1/worker.proto) but for `iteration`. None: not reached yet.
+
+    queued_s / first_token_s: seconds from arrival at the worker to first scheduling / first output
+    token (the first token as the client sees it, TTFT floor included). queued_iterations /
+    first_token_iterations: the same in engine iterations (how many iterations started after the
+    request reached the engine until it was first scheduled / its first token committed).
+    """
+
+    queued_s: float | None = None
+    first_token_s: float | None = None
+    queued_iterations: int | None = None
+    first_token_iterations: int | None = None
+
+
 @dataclass
 class RequestOutput:
     """What one request gained in one iteration (or its final message).
 
     token_ids: tokens committed since the last output. text_delta: complete UTF-8 text since the
-    last output. finish_reason: set once, on the last output. queued_s / first_token_s: seconds
-    from arrival at the worker to first scheduling / first output token. error: set when the
-    engine failed the request (then finish_reason is ABORT). queued_iterations /
-    first_token_iterations: the same in engine iterations (how many iterations started after the
-    request reached the engine until it was first scheduled / its first token committed).
+    last output. finish_reason: set once, on the last output. timings: how long it took to be
+    first scheduled and to its first token, so far (`RequestTimings`). error: set when the
+    engine failed the request (then finish_reason is ABORT).
     iteration: the engine iteration (counted as `snapshot()["iterations"]`) whose step produced it.
     logprobs: with `SamplingParams.logprobs`, one (token id, logprob, [(id, logprob), ...top]) per
     token in token_ids (worker/engine/sampler.py).
@@ -144,10 +159,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    queued_s: float | None = None
-    first_token_s: float | None = None
-    queued_iterations: int | None = None
-    first_token_iterations: int | None = None
+    timings: RequestTimings = field(default_factory=RequestTimings)
     iteration: int = 0
     error: str | None = None
     logprobs: list = field(default_factory=list)
@@ -603,13 +615,7 @@ class Engine:
             request_id=seq.request_id, token_ids=new_tokens, text_delta=delta,
             finish_reason=seq.finish_reason if final else None,
             prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
-            cached_tokens=seq.num_cached_tokens,
-            queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
-            first_token_s=None if seq.first_token_time is None else self._first_token_s(seq),
-            queued_iterations=None if seq.first_scheduled_iteration is None
-            else seq.first_scheduled_iteration - seq.arrival_iteration,
-            first_token_iterations=None if seq.first_token_iteration is None
-            else seq.first_token_iteration - seq.arrival_iteration,
+            cached_tokens=seq.num_cached_tokens, timings=self._timings(seq),
             iteration=self.scheduler.core.iteration, error=error, logprobs=new_logprobs,
         )
         if final:
@@ -622,6 +628,16 @@ class Engine:
                 callback(out)
             except Exception:
                 log.exception("output callback for %s failed", seq.request_id)
+
+    def _timings(self, seq: Sequence) -> RequestTimings:
+        """`seq`'s timings so far, from its arrival, first scheduling and first token."""
+        return RequestTimings(
+            queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
+            first_token_s=None if seq.first_token_time is None else self._first_token_s(seq),
+            queued_iterations=None if seq.first_scheduled_iteration is None
+            else seq.first_scheduled_iteration - seq.arrival_iteration,
+            first_token_iterations=None if seq.first_token_iteration is None
+            else seq.first_token_iteration - seq.arrival_iteration)
 
     def _first_token_s(self, seq: Sequence) -> float:
         """Seconds from arrival to the first token as the client sees it (the TTFT floor included)."""
