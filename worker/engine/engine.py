@@ -34,7 +34,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer, stop_string_holdba
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S, FaultWindow
-from worker.scheduling.cost import make_cost
+from worker.scheduling.cost import QuadraticFit, make_cost
 from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
                                              DEFAULT_TIER_GRACE_ITERATIONS)
 from worker.scheduling.policy import make_policy
@@ -49,8 +49,8 @@ class EngineConfig:
     """Engine settings. Token counts in tokens, memory in MiB.
 
     policy: `vtc`, `vtc-pred`, `drr` or `fcfs`. cost: `linear` (alpha, beta, cached_rate: see
-    LinearCost) or `profiled` (profile = (a, b, c, d, e), see ProfiledCost). drr_quantum: DRR
-    quantum, service units. max_num_batched_tokens: token budget per iteration = prefill chunk
+    LinearCost) or `profiled` (profile: its `QuadraticFit`, None: the VTC paper's; see
+    ProfiledCost). drr_quantum: DRR quantum, service units. max_num_batched_tokens: token budget per iteration = prefill chunk
     size. prefill_slice: tokens per policy pick when the prefill budget is split among tenants.
     max_partial_prefills: most requests in partial (chunked) prefill at once (None: no limit;
     worker/scheduling/core.py; SGLang's scheduler has 1). max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
@@ -90,7 +90,7 @@ class EngineConfig:
     beta: float = 2.0
     cached_rate: float = 0.0
     cost: str = "linear"
-    profile: tuple[float, float, float, float, float] | None = None
+    profile: QuadraticFit | None = None
     drr_quantum: float = 512.0
     max_num_batched_tokens: int = 512
     prefill_slice: int = 16
