@@ -21,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
@@ -134,11 +134,16 @@ def _lifespan(parts: _Parts):
 
 def _redis_client(settings: GatewaySettings) -> Redis | RedisCluster:
     """The asyncio Redis client (a cluster client with ``redis_cluster``); every call times out after
-    ``redis_timeout_s`` seconds."""
-    t = settings.redis_timeout_s
+    ``redis_timeout_s`` seconds. At most ``redis_max_connections`` connections (per node for a
+    cluster): a call that finds them all busy waits for one (a blocking pool, up to
+    ``redis_timeout_s``) rather than failing, so a burst of one tenant's requests is back-pressure, not
+    an outage that would turn every fail-closed tenant away with 503."""
+    t, n = settings.redis_timeout_s, settings.redis_max_connections
     if settings.redis_cluster:
-        return RedisCluster.from_url(settings.redis_url, socket_timeout=t, socket_connect_timeout=t)
-    return Redis.from_url(settings.redis_url, socket_timeout=t, socket_connect_timeout=t, health_check_interval=30)
+        return RedisCluster.from_url(settings.redis_url, socket_timeout=t, socket_connect_timeout=t, max_connections=n)
+    pool = BlockingConnectionPool.from_url(settings.redis_url, max_connections=n, timeout=t, socket_timeout=t,
+                                           socket_connect_timeout=t, health_check_interval=30)
+    return Redis.from_pool(pool)  # (the client closes its pool)
 
 
 def _admin_listener(settings: GatewaySettings, metrics: GatewayMetrics):

@@ -142,6 +142,7 @@ GATEWAY_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--replicas", "gateway_replicas", int, "floor of the gateway replica count: replicas register in Redis and degraded buckets hold limit / max(this, live replicas last seen) (default 1)"),
     ("--replica-ttl-s", "replica_ttl_s", float, "a replica's registration in Redis expires after this long without a heartbeat (default 10)"),
     ("--redis-timeout-s", "redis_timeout_s", float, "timeout of each Redis call in seconds (default 2)"),
+    ("--redis-max-connections", "redis_max_connections", int, "connections to Redis at most; a call that finds them all busy waits for one, up to --redis-timeout-s (default 256)"),
     ("--drain-timeout-s", "drain_timeout_s", float, "on SIGTERM, open requests may finish for this long (default 10 s)"),
     ("--request-timeout-s", "request_timeout_s", float, "deadline of one generation in seconds: 504 / error event after it (default: none)"),
     ("--tier-request-timeout-s", "tier_request_timeout_s", str, "default deadline per tier, merged over interactive=600,batch=none,background=none (JSON or tier=seconds|none,...); --request-timeout-s replaces it for every tier"),

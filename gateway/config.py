@@ -106,6 +106,9 @@ class GatewaySettings(BaseSettings):
     gateway_replicas: int = Field(default=1, ge=1)
     replica_ttl_s: float = Field(default=10.0, gt=0)  # a replica's registration lives this long unrenewed
     redis_timeout_s: float = Field(default=2.0, gt=0)  # socket timeout of every Redis call
+    # connections to Redis this replica opens at most; a call finding all of them busy waits for one
+    # (up to redis_timeout_s) instead of failing: a burst is back-pressure, never an outage
+    redis_max_connections: int = Field(default=256, ge=1)
     redis_probe_interval_s: float = Field(default=0.5, gt=0)  # while Redis is down: PING this often
     drain_timeout_s: float = Field(default=10.0, ge=0)  # SIGTERM: open requests may finish this long
     # Deadlines (gateway/deadlines.py): a request's deadline is its tenant's request_timeout_s (tenants
