@@ -20,6 +20,7 @@ offset in the choice's text (counting each token's ``token`` string).
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Iterable
 
 
@@ -102,7 +103,19 @@ class TokenTexts:
 
     def item(self, token_id: int, logprob: float) -> dict[str, Any]:
         """``{token, logprob, bytes}``."""
-        return {"token": self.token_of(token_id), "logprob": float(logprob), "bytes": list(self.bytes_of(token_id))}
+        return {"token": self.token_of(token_id), "logprob": finite(logprob), "bytes": list(self.bytes_of(token_id))}
+
+
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry: a token of probability 0 (-inf; workers leave such alternatives out,
+    worker/engine/sampler.py) is shown as OpenAI shows one, -9999.0."""
+    v = float(logprob)
+    return v if math.isfinite(v) else -9999.0
+
+
+def _alternatives(e) -> list:
+    """The entry's alternatives of non-zero probability (a backend may send masked ones as -inf)."""
+    return [t for t in e.top if t.logprob > -math.inf]
 
 
 def chat_content(texts: TokenTexts, entries: Iterable, skip: set[int]) -> list[dict[str, Any]]:
@@ -113,7 +126,7 @@ def chat_content(texts: TokenTexts, entries: Iterable, skip: set[int]) -> list[d
         if e.token_id in skip:
             continue
         item = texts.item(e.token_id, e.logprob)
-        item["top_logprobs"] = [texts.item(t.token_id, t.logprob) for t in e.top]
+        item["top_logprobs"] = [texts.item(t.token_id, t.logprob) for t in _alternatives(e)]
         out.append(item)
     return out
 
@@ -133,10 +146,10 @@ class CompletionLogprobs:
             if e.token_id in skip:
                 continue
             tok = self.texts.token_of(e.token_id)
-            top = {self.texts.token_of(t.token_id): float(t.logprob) for t in e.top}
-            top.setdefault(tok, float(e.logprob))
+            top = {self.texts.token_of(t.token_id): finite(t.logprob) for t in _alternatives(e)}
+            top.setdefault(tok, finite(e.logprob))
             tokens.append(tok)
-            lps.append(float(e.logprob))
+            lps.append(finite(e.logprob))
             tops.append(top)
             offsets.append(self.offset)
             self.offset += len(tok)

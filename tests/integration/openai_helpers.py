@@ -33,7 +33,16 @@ def stream_chunks(gw, tenant: str, path: str, body: dict) -> list[dict]:
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines), lines[:3]
     assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
-    return [json.loads(line[6:]) for line in lines[:-1]]
+    return [strict_json(line[6:]) for line in lines[:-1]]
+
+
+def _not_json(name: str):
+    raise AssertionError(f"{name} is not JSON (a client's strict parser refuses it)")
+
+
+def strict_json(text: str):
+    """`text` parsed as strict JSON: NaN, Infinity and -Infinity (which Python's json accepts) fail."""
+    return json.loads(text, parse_constant=_not_json)
 
 
 def _no_extra(obj, path: str = "$") -> None:
@@ -65,7 +74,7 @@ def validate_strict(model_type: type[OpenAIModel], body: dict) -> OpenAIModel:
 def chat_body(resp: httpx.Response) -> dict:
     """The JSON body of a 200 chat completion, validated strictly as an `openai` `ChatCompletion`."""
     assert resp.status_code == 200, resp.text
-    body = resp.json()
+    body = strict_json(resp.text)
     validate_strict(ChatCompletion, body)
     return body
 

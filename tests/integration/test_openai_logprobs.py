@@ -57,6 +57,28 @@ def test_chat_logprobs_consistent_and_streamed_equals_non_streamed(gw, temperatu
     assert streamed["logprobs"] == entries
 
 
+@pytest.mark.parametrize("top", [5, 20])
+def test_logprobs_under_a_grammar_leave_out_the_tokens_it_masks(gw, top):
+    """A grammar that allows fewer tokens than `top_logprobs` asks for: the masked tokens (probability
+    0) are no alternatives, so every logprob is a finite number (JSON has no -inf: this was a 500,
+    and -Infinity in the stream) and the chosen token is the first alternative at temperature 0."""
+    body = {"model": MODEL, "messages": HELLO, "max_tokens": 3, "temperature": 0, "logprobs": True,
+            "top_logprobs": top, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "flag", "strict": True, "schema": {"type": "boolean"}}}}
+    full = chat_body(post(gw, "lp-main", "/v1/chat/completions", body))["choices"][0]
+    entries = full["logprobs"]["content"]
+    assert entries and full["message"]["content"] in ("true", "false")
+    for e in entries:
+        assert 1 <= len(e["top_logprobs"]) <= top
+        assert e["top_logprobs"][0]["bytes"] == e["bytes"]
+    if top == 20:  # a boolean's grammar allows far fewer than 20 tokens where it ends
+        assert any(len(e["top_logprobs"]) < top for e in entries), [len(e["top_logprobs"]) for e in entries]
+        assert all(-9999.0 < t["logprob"] <= 0 for t in e["top_logprobs"])
+    streamed = streamed_chat(chat_chunks(gw, "lp-main", body))
+    assert streamed["logprobs"] == entries
+    assert_no_lease(gw, "lp-main")
+
+
 def test_chat_logprobs_through_the_openai_client(gw):
     client = gw.client("lp-main")
     r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True,

@@ -14,6 +14,7 @@ and taking logprobs after it would give every alternative outside the nucleus -i
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 
@@ -40,14 +41,16 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def token_logprobs(row: torch.Tensor, temperature: float, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
-    """(logprob of `token`, the `top` most likely (id, logprob)) of one row of logits [vocab] at
-    `temperature` (<= 0 counts as 1). Ties in the top list go to the lowest id."""
+    """(logprob of `token`, up to `top` most likely (id, logprob)) of one row of logits [vocab] at
+    `temperature` (<= 0 counts as 1). Ties in the top list go to the lowest id. Tokens of
+    probability 0 (masked by a grammar: logprob -inf) are no alternatives and are left out, so under
+    a grammar that allows fewer than `top` tokens the list is shorter (and JSON has no -inf)."""
     t = temperature if temperature > 0 else 1.0
     lp = torch.log_softmax(row / t if t != 1.0 else row, dim=-1)
     alts: list[tuple[int, float]] = []
     if top > 0:
         vals, ids = torch.topk(lp, min(top, lp.numel()))
-        alts = [(int(i), float(v)) for v, i in zip(vals.tolist(), ids.tolist())]
+        alts = [(int(i), v) for v, i in zip(vals.tolist(), ids.tolist()) if v > -math.inf]
     return float(lp[token]), alts
 
 
