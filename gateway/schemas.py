@@ -422,6 +422,31 @@ def check_json_schema(schema: Any, param: str) -> None:
     except RecursionError:
         raise invalid_request(f"Invalid schema for '{param}': it is nested too deeply.", param,
                               "invalid_value") from None
+    ref = _remote_ref(schema)
+    if ref is not None:
+        raise invalid_request(f"Invalid schema for '{param}': only references within the schema ('#/...') are "
+                              f"supported, got '$ref': {ref!r}.", param, "invalid_value")
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values there are instances, not schemas
+
+
+def _remote_ref(schema: dict) -> str | None:
+    """The first ``$ref`` / ``$dynamicRef`` of `schema` that points outside it (a URL or a file:
+    never fetched, and the grammar compiler would silently leave it unconstrained), else None.
+    Iterative: the metaschema check bounded the depth already, not the breadth."""
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k in ("$ref", "$dynamicRef") and isinstance(v, str) and not v.startswith("#"):
+                    return v
+                if isinstance(v, (dict, list)) and k not in _DATA_KEYWORDS:
+                    stack.append(v)
+        elif isinstance(node, list):
+            stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return None
 
 
 def unknown_parameter(param: str) -> APIError:

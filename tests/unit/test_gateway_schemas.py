@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from gateway.errors import APIError, from_validation_error
 from gateway.routing import WorkerClient, WorkerPool
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, chat_chunk, usage_dict
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, check_json_schema, chat_chunk, usage_dict
 from gateway.sse import DONE, event
 
 
@@ -145,3 +145,22 @@ def test_integral_json_floats_are_ints_from_the_parser():
     assert fast == walked and fast.max_tokens == 10
     with pytest.raises(ValidationError):
         validate_request(json.loads(raw.replace("1e1", "10.5"), parse_float=json_number), "chat", integral_floats_done=True)
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "http://169.254.169.254/latest"},
+    {"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}},
+    {"type": "array", "prefixItems": [{"type": "string"}, {"$dynamicRef": "other.json#/x"}]},
+])
+def test_a_reference_outside_the_schema_is_a_400_not_an_unconstrained_answer(schema):
+    """A `$ref` to a URL or file is never fetched, and the grammar compiler left it unconstrained (an
+    answer of any shape with status 200): it is refused, naming the parameter."""
+    with pytest.raises(APIError) as e:
+        check_json_schema(schema, "response_format.json_schema.schema")
+    assert e.value.status == 400 and e.value.param == "response_format.json_schema.schema"
+    assert "only references within the schema" in e.value.message
+
+
+def test_local_references_and_ref_shaped_data_are_accepted():
+    check_json_schema({"$defs": {"a": {"type": "string"}}, "properties": {"x": {"$ref": "#/$defs/a"},
+                       "$ref": {"type": "string"}}, "enum": [{"$ref": "http://example.com/data"}]}, "p")
