@@ -144,8 +144,12 @@ async def plan_request(gw, request: Request, kind: str, tenant: TenantConfig) ->
     requested = req.requested_max_tokens() if kind == "chat" else req.max_tokens
     max_param = ("max_completion_tokens" if kind == "chat" and req.max_completion_tokens is not None
                  else "max_tokens")
-    too_large = too_large_error(tenant, cost, max_param if requested is not None else prompt_param(kind))
+    too_large = too_large_error(tenant, cost, max_param)
     if too_large is not None:
+        # the prompts' fault when even one output token each would not fit, else the reservation's
+        least = sum(len(p) for p in prompts) + n * len(prompts)
+        if requested is None or too_large_error(tenant, least, max_param) is not None:
+            too_large.param = prompt_param(kind)
         raise too_large
     return GenerationPlan(kind, req, req.model, entry, output, deadline, prompts, n, max_tokens, cost, max_param)
 

@@ -93,6 +93,10 @@ def test_case_ad2_request_larger_than_tpm_is_rejected_up_front(gw):
     # streamed: the same up-front 400, as JSON
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=SHORT, max_tokens=5000, stream=True)
+    # prompts that alone exceed the limit (one output token each would not fit): the prompt is named
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=[[7] * 300] * 4, max_tokens=1)
+    assert e.value.code == "request_too_large" and e.value.param == "prompt", e.value.body
 
 
 def test_case_ad3_failed_request_releases_what_it_held(gw):
