@@ -84,6 +84,7 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
     # global providers on every request and, with one installed, add a second server span
     app = FastAPI(title="FairShare gateway", lifespan=_lifespan(parts), docs_url=None, redoc_url=None,
                   openapi_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
+    app.state.settings = settings  # (the server's protocol reads its head bounds: gateway/http_guard.py)
     install_handlers(app)
     _operator_routes(app, settings)
     _model_routes(app)

@@ -152,6 +152,8 @@ GATEWAY_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--worker-token-ttl-s", "worker_token_ttl_s", float, "validity of each call's token in seconds (default 60)"),
     ("--max-body-bytes", "max_body_bytes", int, "larger request bodies get 413 (default 8 MiB)"),
     ("--body-timeout-s", "body_timeout_s", float, "a request body not all there within this gets 408 and the connection is closed (default 30 s)"),
+    ("--max-header-bytes", "max_header_bytes", int, "a request line and headers larger than this get 431 and the connection is closed (default 64 KiB)"),
+    ("--header-timeout-s", "header_timeout_s", float, "request line and headers not all there this long after their first byte (or a new connection silent that long) get 408 and the connection is closed (default 10 s)"),
     ("--metrics-port", "metrics_port", int, "serve /metrics on an admin listener on this port (default 0: none)"),
     ("--metrics-host", "metrics_host", str, "address of the admin listener (default 127.0.0.1)"),
     ("--metrics-token-file", "metrics_token_file", str, "file holding a token that may read /metrics on the public port (Authorization: Bearer)"),
@@ -206,9 +208,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .serve import DrainingServer
 
+    from .http_guard import guarded_protocol
+
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             access_log=settings.log_level.lower() == "debug",
-                            timeout_graceful_shutdown=settings.drain_timeout_s + 3)
+                            timeout_graceful_shutdown=settings.drain_timeout_s + 3,
+                            http=guarded_protocol(settings.max_header_bytes, settings.header_timeout_s))
     install_redaction()  # after uvicorn configured its loggers
     DrainingServer(config, drain_timeout_s=settings.drain_timeout_s).run()
     return 0

@@ -83,6 +83,10 @@ class GatewaySettings(BaseSettings):
     max_choices: int = Field(default=64, ge=1)  # prompts x n in one request
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     body_timeout_s: float = Field(default=30.0, gt=0)  # the whole request body must arrive within this (408)
+    # the request line and headers (gateway/http_guard.py): at most this many bytes (431), complete
+    # within this many seconds of their first byte or of the connection (408, closed)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    header_timeout_s: float = Field(default=10.0, gt=0)
     max_retries: int = Field(default=2, ge=0)
     log_level: str = "info"
     key_prefix: str = "fairshare"

@@ -10,6 +10,8 @@ import threading
 import time
 
 import uvicorn
+
+from .http_guard import guarded_protocol
 from fastapi import FastAPI
 
 log = logging.getLogger("fairshare.gateway")
@@ -83,8 +85,11 @@ class ServerThread:
         self.host = host
         self.port = port
         self.app = app
+        settings = getattr(getattr(app, "state", None), "settings", None)
+        http = (guarded_protocol(settings.max_header_bytes, settings.header_timeout_s) if settings is not None
+                else guarded_protocol())
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    access_log=False, timeout_graceful_shutdown=3))
+                                                    access_log=False, timeout_graceful_shutdown=3, http=http))
         self.thread = threading.Thread(target=self.server.run, name=f"gateway-{port}", daemon=True)
 
     @property
