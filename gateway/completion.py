@@ -46,6 +46,7 @@ async def serve(gw: Gateway, request: Request, kind: str):
         "http.request.method": request.method, "http.route": request.url.path, "fairshare.endpoint": endpoint})
     # the request span parents the others; an untraced one (tracing off) is not worth attaching
     token = otel_context.attach(trace.set_span_in_context(span)) if span.get_span_context().is_valid else None
+    principal: Principal | None = None
     try:
         principal = _authenticate(gw, request, span, endpoint)
         session, answer = await _run(gw, request, kind, principal, span, endpoint, t0)
@@ -53,11 +54,18 @@ async def serve(gw: Gateway, request: Request, kind: str):
     except APIError:
         raise  # its status is on the request span already
     except BaseException as e:  # an unexpected error (or cancellation): the handlers answer 500
-        end_request_span(span, 500, "cancelled" if isinstance(e, asyncio.CancelledError) else type(e).__name__)
+        cancelled = isinstance(e, asyncio.CancelledError)
+        if not cancelled:  # counted as the 500 it is answered with (a cancelled request has no answer)
+            gw.metrics.requests.labels(_tenant_of(principal), endpoint, "500").inc()
+        end_request_span(span, 500, "cancelled" if cancelled else type(e).__name__)
         raise
     finally:
         if token is not None:
             otel_context.detach(token)
+
+
+def _tenant_of(principal: Principal | None) -> str:
+    return principal.tenant.id if principal is not None else UNKNOWN_TENANT
 
 
 def _authenticate(gw: Gateway, request: Request, span: trace.Span, endpoint: str) -> Principal:
@@ -118,11 +126,13 @@ def _respond(gw: Gateway, session: Session, answer, span: trace.Span, endpoint: 
     when the stream settles)."""
     tenant_id = session.tenant.id
     span.set_attribute("fairshare.request_id", session.rid)
-    gw.metrics.requests.labels(tenant_id, endpoint, "200").inc()
     if isinstance(answer, dict):  # non-streamed: already settled
+        response = JSONResponse(answer, headers=session.headers())  # (a body it cannot encode: a 500, counted so)
+        gw.metrics.requests.labels(tenant_id, endpoint, "200").inc()
         gw.metrics.latency.labels(tenant_id, endpoint).observe(time.perf_counter() - t0)
         end_request_span(span, 200)
-        return JSONResponse(answer, headers=session.headers())
+        return response
+    gw.metrics.requests.labels(tenant_id, endpoint, "200").inc()
     span.set_attribute("fairshare.stream", True)
     session.request_span = span  # ended when the stream settles
     return SSEResponse(answer, on_disconnect=session.on_client_gone, on_close=session.settle,
