@@ -30,6 +30,7 @@ from worker.scheduling.core import OUT_OF_BLOCKS, SchedulingCore
 from worker.scheduling.cost import CostFunction
 from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
                                              DEFAULT_TIER_GRACE_ITERATIONS)
+from worker.scheduling.handback import HandBackRule
 from worker.scheduling.policy import SchedulingPolicy
 from worker.scheduling.quota import KVQuota
 from worker.scheduling.tiers import TierShares
@@ -168,6 +169,10 @@ class Scheduler:
         return self.core.stats.finished_by_tenant
 
     @property
+    def handed_back_by_tenant(self) -> dict[str, int]:
+        return self.core.stats.handed_back_by_tenant
+
+    @property
     def quota_waits(self) -> dict[str, int]:
         return self.core.stats.quota_waits
 
@@ -205,6 +210,23 @@ class Scheduler:
         self.blocks.free(seq)
         self.by_id.pop(seq.request_id, None)
         self.core.finish(seq.request_id, len(seq.prompt_token_ids), len(seq.output_token_ids))
+
+    def hand_back(self, rule: HandBackRule, room_elsewhere=None) -> list[Sequence]:
+        """The waiting, never-admitted sequences `rule` hands back now (`worker.scheduling.handback`;
+        only those whose `may_hand_back` the gateway set), removed from the core (no block was held,
+        nothing was charged) and marked finished with `FinishReason.HANDED_BACK`. room_elsewhere:
+        (tenant id, tier) -> bool from the pool board, or None (no board read)."""
+        out = []
+        for e in rule.choose(self.core, self.clock(), lambda seq: seq.may_hand_back, room_elsewhere):
+            seq = e.handle
+            self.core.hand_back(seq.request_id)
+            self.blocks.free(seq)  # nothing held (never admitted); kept for the invariant
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.HANDED_BACK
+            seq.finish_time = self.clock()
+            self.by_id.pop(seq.request_id, None)
+            out.append(seq)
+        return out
 
     def prefill_backlog(self) -> dict[str, int]:
         """Per tenant with pending prefill: prompt-side tokens not computed yet (waiting requests
