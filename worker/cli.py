@@ -56,6 +56,7 @@ from worker.cache.options import add_cache_arguments, cache_settings
 from worker.pool_service import add_pool_arguments, worker_id_of
 from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
                                              DEFAULT_TIER_GRACE_ITERATIONS)
+from worker.scheduling.quota import KVQuotaConfig
 
 
 def _positive(kind, zero_ok: bool = False):
@@ -260,8 +261,10 @@ def served_names(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[s
     return list(dict.fromkeys(n.strip() for n in names))
 
 
-# ---- KV quota flags (docs/memory-isolation.md; EngineConfig.kv_*) ------------------------------------
-KV_QUOTA_DEFAULTS = {"kv_watermark": 0.8, "kv_headroom": 0.05, "kv_shared_buffer": 0.0, "kv_hard_cap": 1.0}
+# ---- KV quota flags (docs/memory-isolation.md; EngineConfig.kv_quota) --------------------------------
+# the fraction flags' `args` names -> the KVQuotaConfig fields they set (whose defaults apply when not given)
+KV_QUOTA_FLAGS = {"kv_watermark": "watermark", "kv_headroom": "headroom", "kv_shared_buffer": "shared_buffer",
+                  "kv_hard_cap": "hard_cap"}
 
 
 def _fraction(lo_open: bool, hi_open: bool):
@@ -309,12 +312,12 @@ def add_kv_quota_arguments(p: argparse.ArgumentParser) -> None:
                    help="hard cap of a tenant or tier (repeatable)")
 
 
-def kv_quota_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
-    """EngineConfig fields from the `--kv-*` flags. Calls `p.error` (exit 2, one line) when a tuning
-    flag is given without --kv-quota, a KEY is given twice, or the fractions do not fit together."""
-    from worker.scheduling.quota import KVQuotaConfig
-
-    tuning = [f"--{k.replace('_', '-')}" for k in (*KV_QUOTA_DEFAULTS, "kv_soft_quota", "kv_hard_cap_for")
+def kv_quota_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> KVQuotaConfig:
+    """`EngineConfig.kv_quota` from the `--kv-*` flags: a `worker.scheduling.quota.KVQuotaConfig`
+    (`enabled` from --kv-quota; a flag not given keeps the field's default). Calls `p.error` (exit 2,
+    one line) when a tuning flag is given without --kv-quota, a KEY is given twice, or the fractions
+    do not fit together."""
+    tuning = [f"--{k.replace('_', '-')}" for k in (*KV_QUOTA_FLAGS, "kv_soft_quota", "kv_hard_cap_for")
               if getattr(args, k) is not None]
     if tuning and not args.kv_quota:
         p.error(f"{', '.join(tuning)} {'needs' if len(tuning) == 1 else 'need'} --kv-quota (KV quotas are off)")
@@ -326,15 +329,14 @@ def kv_quota_settings(p: argparse.ArgumentParser, args: argparse.Namespace) -> d
                 p.error(f"--{flag.replace('_', '-')}: {key!r} given twice")
             table[key] = frac
         tables[flag] = table
-    out = {k: KV_QUOTA_DEFAULTS[k] if getattr(args, k) is None else getattr(args, k) for k in KV_QUOTA_DEFAULTS}
-    out.update(kv_quota=bool(args.kv_quota), kv_soft_quotas=tables["kv_soft_quota"],
-               kv_hard_caps=tables["kv_hard_cap_for"])
+    fractions = {name: getattr(args, flag) for flag, name in KV_QUOTA_FLAGS.items() if getattr(args, flag) is not None}
+    config = KVQuotaConfig(enabled=bool(args.kv_quota), soft=tables["kv_soft_quota"], hard=tables["kv_hard_cap_for"],
+                           **fractions)
     try:
-        KVQuotaConfig(out["kv_quota"], out["kv_watermark"], out["kv_headroom"], out["kv_shared_buffer"],
-                      out["kv_hard_cap"], out["kv_soft_quotas"], out["kv_hard_caps"]).validate()
+        config.validate()
     except ValueError as exc:
         p.error(f"KV quotas: {exc}".replace("headroom + shared_buffer", "--kv-headroom + --kv-shared-buffer"))
-    return out
+    return config
 # ---- end of KV quota flags ----------------------------------------------------------------------------
 
 
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens, max_running=args.max_running,
                           block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, kv_cache_mb=args.kv_cache_mb,
                           max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
-                          quantization=args.quantization, **kv_quota, **tiers,
+                          quantization=args.quantization, kv_quota=kv_quota, **tiers,
                           fault_limit=args.engine_fault_limit, fault_window_s=args.engine_fault_window_s,
                           hand_back_after_s=args.hand_back_after_s,
                           **cache_settings(parser, args, model.tokenizer, model.config.vocab_size))

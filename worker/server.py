@@ -53,6 +53,7 @@ served on ``--metrics-port``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import time
@@ -66,7 +67,7 @@ from fairshare.tiers import DEFAULT_TIER
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.contract import FINISH_ENUMS, INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
 from fairshare.contract import TIER_NAMES as _TIER_NAMES
-from worker.engine.engine import Engine, EngineFailed, RequestOutput
+from worker.engine.engine import Engine, EngineFailed, RequestOutput, RequestTimings
 from worker.faults import EXIT_ENGINE_FAILED
 from worker import grpc_server
 from worker.engine.sequence import FinishReason, SamplingParams
@@ -108,6 +109,9 @@ def sampling_from_proto(p: worker_pb2.SamplingParams, grammar=None) -> SamplingP
     )
 
 
+_TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(RequestTimings))  # each a field of the proto's Timings too
+
+
 def _to_proto(outs: list[RequestOutput]) -> worker_pb2.GenerateResponse:
     """One message for the engine outputs of one request that are ready together (in order): their
     tokens, text and logprobs concatenated, each timing from the first output that has it, the
@@ -120,8 +124,8 @@ def _to_proto(outs: list[RequestOutput]) -> worker_pb2.GenerateResponse:
             entry = msg.logprobs.add(token_id=tok, logprob=lp)
             for alt, alt_lp in top:
                 entry.top.add(token_id=alt, logprob=alt_lp)
-        for name in ("queued_s", "first_token_s", "queued_iterations", "first_token_iterations"):
-            value = getattr(out, name)
+        for name in _TIMING_FIELDS:
+            value = getattr(out.timings, name)
             if value is not None and name not in first:
                 first[name] = value
                 setattr(msg.timings, name, value)
@@ -242,10 +246,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     ready.append(item)
                 outs: list[RequestOutput] = []
                 for out, at, at_ns in ready:
-                    rt.observe(out)
+                    rt.observe(out.timings.queued_s, out.timings.first_token_s, len(out.token_ids))
                     if out.token_ids:
                         if last_token_at is None:
-                            self.metrics.observe_first_token(tenant.id, out.queued_s, out.first_token_s or 0.0)
+                            self.metrics.observe_first_token(tenant.id, out.timings.queued_s,
+                                                             out.timings.first_token_s or 0.0)
                         else:
                             self.metrics.observe_itl(tenant.id, at - last_token_at, len(out.token_ids))
                         last_token_at = at

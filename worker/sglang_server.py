@@ -384,16 +384,6 @@ class SchedulerSnapshots:
 
 
 @dataclass(frozen=True)
-class _StreamTiming:
-    """What `worker.tracing.RequestTrace.observe` reads of an output, as this process sees the stream:
-    seconds since arrival at this worker (queue time from SGLang's meta_info when it reports it)."""
-
-    queued_s: float | None
-    first_token_s: float | None
-    token_ids: object
-
-
-@dataclass(frozen=True)
 class _Usage:
     cached_tokens: int
 
@@ -566,8 +556,9 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
                 queued_s = meta.get("queue_time")  # SGLang's scheduler queue time (engine_kwargs: enable_metrics)
                 queued_s = float(queued_s) if isinstance(queued_s, (int, float)) else None
                 first_token_s = translator.first_token_s if msg.token_ids and last_token_at is None else None
-                rt.observe(_StreamTiming(queued_s if first_token_s is not None else None, first_token_s,
-                                         msg.token_ids))
+                # as this process sees the stream: seconds since arrival at this worker (queue time
+                # from SGLang's meta_info when it reports it)
+                rt.observe(queued_s if first_token_s is not None else None, first_token_s, len(msg.token_ids))
                 if msg.token_ids:
                     if last_token_at is None:
                         self.metrics.observe_first_token(tenant.id, queued_s, first_token_s)

@@ -7,7 +7,7 @@
       worker.prefill           first scheduled -> first token      (first_token_s - queued_s)
       worker.decode            first token -> finish
 
-The engine reports its phase boundaries as seconds since the request's arrival (`RequestOutput`
+The engine reports its phase boundaries as seconds since the request's arrival (`RequestOutput.timings`
 queued_s / first_token_s); the phase spans are created when the call ends, with explicit start and
 end times anchored at the wall-clock arrival time, so the engine loop is untouched. A preempted
 request that is recomputed still has one queue and one prefill span (first scheduling, first token).
@@ -54,13 +54,15 @@ class RequestTrace:
         self.completion_tokens = 0
         self._ended = False
 
-    def observe(self, out) -> None:
-        """Note an engine `RequestOutput` (its timings)."""
-        if self.queued_s is None and out.queued_s is not None:
-            self.queued_s = out.queued_s
-        if self.first_token_s is None and out.first_token_s is not None:
-            self.first_token_s = out.first_token_s
-        self.completion_tokens += len(out.token_ids)
+    def observe(self, queued_s: float | None, first_token_s: float | None, tokens: int) -> None:
+        """Note one output of the call: its queue time and time to first token so far (seconds since
+        arrival at the worker, None: not reached yet; the first value given counts) and `tokens`, the
+        output tokens it carries."""
+        if self.queued_s is None and queued_s is not None:
+            self.queued_s = queued_s
+        if self.first_token_s is None and first_token_s is not None:
+            self.first_token_s = first_token_s
+        self.completion_tokens += tokens
 
     def end(self, outcome: str, end_ns: int | None = None, usage=None) -> None:
         """End the call: `outcome` is the finish reason (stop, length, abort), ``cancelled`` (the client

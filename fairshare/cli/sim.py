@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from loadtests.profiles import DEFAULT_PROFILE, PROFILES_DIR
+from worker.scheduling.quota import KVQuotaConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +54,7 @@ def _profile(path: str | None):
 
 def _engine_overrides(args) -> dict:
     out = {"cost": args.cost, "alpha": args.alpha, "beta": args.beta, "drr_quantum": args.quantum,
-           "kv_quota": True if args.kv_quota else None}
+           "kv_quota": KVQuotaConfig() if args.kv_quota else None}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -176,7 +177,7 @@ def _print_run(workload, engine, config, tm, scale: float, cap, iterations: int,
     print(f"workload {workload.name}: {workload.description}")
     print(f"policy: {engine.policy.describe()}")
     print(f"cost function: {engine.cost.describe()}")
-    if config.kv_quota:
+    if config.kv_quota.enabled:
         print("per-tenant KV quotas: on (defaults; docs/memory-isolation.md)")
     print("weights: " + ", ".join(f"{t}={w:g}" for t, w in workload.weights().items()))
     print(f"time model: {tm.describe()}")

@@ -186,7 +186,7 @@ def sc3(repeats: int = 5) -> list[str]:
 
         def on_output(o):
             if o.token_ids and rid not in firsts:
-                firsts[rid] = (o.first_token_s, o.first_token_iterations)
+                firsts[rid] = (o.timings.first_token_s, o.timings.first_token_iterations)
 
         engine.add_request(rid, "chat", [300 + i] + list(range(1, 20)), params(16), on_output, tier="interactive")
         while rid not in firsts:

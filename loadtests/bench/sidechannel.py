@@ -214,18 +214,20 @@ def setup_line(cfg: ProbeConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point (`python -m loadtests.bench.sidechannel`); prints the report, returns 0."""
     p = argparse.ArgumentParser(prog="python -m loadtests.bench.sidechannel", description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=300, help="probe pairs (a shared probe + its control) per arm")
-    p.add_argument("--prefix-tokens", type=int, default=256)
-    p.add_argument("--suffix-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=20, help="victim prompts per round")
+    size = ProbeConfig()  # the flags' defaults
+    p.add_argument("--pairs", type=int, default=size.pairs, help="probe pairs (a shared probe + its control) per arm")
+    p.add_argument("--prefix-tokens", type=int, default=size.prefix_tokens)
+    p.add_argument("--suffix-tokens", type=int, default=size.suffix_tokens)
+    p.add_argument("--batch", type=int, default=size.batch, help="victim prompts per round")
     p.add_argument("--arms", default="unsafe,namespaced,floor", help="comma list of: " + ", ".join(ARMS))
     p.add_argument("--floor", type=float, default=0.25, help="TTFT floor of the floor arm, seconds")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the workers")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=size.seed)
     p.add_argument("--addr", default=None, help="probe this running worker instead of starting one per arm")
     p.add_argument("--label", default="worker at --addr")
     args = p.parse_args(argv)
-    cfg = ProbeConfig(args.pairs, args.prefix_tokens, args.suffix_tokens, args.batch, seed=args.seed)
+    cfg = ProbeConfig(pairs=args.pairs, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                      batch=args.batch, seed=args.seed)
     print(setup_line(cfg), flush=True)
     if args.addr:
         results = [probe_worker(args.addr, args.label, cfg)]

@@ -303,7 +303,7 @@ def write_report(bench: Benchmark, out: Path, img_dir: Path, command: str = "fai
         f"{cfg.prefill_slice}, max running {cfg.max_running}, KV pool {cfg.num_kv_blocks} blocks × {cfg.block_size} "
         f"tokens (unless a workload says otherwise), DRR quantum {cfg.drr_quantum:g} units, memory skips before a "
         f"reservation {cfg.max_skips}" + (", **per-tenant KV quotas on** (defaults; docs/memory-isolation.md)"
-                                          if cfg.kv_quota else ""),
+                                          if cfg.kv_quota.enabled else ""),
         f"- **Bound** (VTC, DESIGN.md): `2·max(α·chunk, β·M) / w_min` with M = KV pool tokens.",
         "- **Columns:** *max diff* = max over co-backlogged tenant pairs and sub-intervals of "
         "|W_i/w_i − W_j/w_j| (service units; backlogged = queued or prefilling); *Jain* over actual/GPS-ideal "

@@ -5,10 +5,10 @@
     python -m loadtests.reports.quota --all [--rate-scale 0.6261]   (every workload, quotas off / on)
 
 Runs the workload twice through the real engine loop on the simulated runner (same seed, same time
-model, same rate scale): `kv_quota=False` (the quota-less behaviour) and `kv_quota=True` (defaults:
-soft quota = weight share, watermark 0.8, headroom 0.05). Prints (and with --out writes) a markdown
-table. `fairshare sim report` writes the same section (`section`) for every workload of
-`fairshare.workloads.quota_workloads()`, at the benchmark's rate scale.
+model, same rate scale): `kv_quota=KVQuotaConfig(enabled=False)` (the quota-less behaviour) and
+`kv_quota=KVQuotaConfig()` (defaults: soft quota = weight share, watermark 0.8, headroom 0.05).
+Prints (and with --out writes) a markdown table. `fairshare sim report` writes the same section
+(`section`) for every workload of `fairshare.workloads.quota_workloads()`, at the benchmark's rate scale.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 from loadtests.profiles import DEFAULT_PROFILE
 from fairshare.workloads import Workload, get_workload
 from worker.scheduling.metrics import percentile
+from worker.scheduling.quota import KVQuotaConfig
 from loadtests.sim.driver import run_workload
 from loadtests.sim.runner import IterationTimeModel
 
@@ -64,9 +65,9 @@ def compare(workload: Workload | str = "memory-flood", time_model: IterationTime
     w = get_workload(workload) if isinstance(workload, str) else workload
     tm = time_model or IterationTimeModel.load(DEFAULT_PROFILE)
     off = run_workload(w, policy, tm, seed=seed, rate_scale=rate_scale, keep_token_times=False,
-                       **{**engine_overrides, "kv_quota": False})
+                       **{**engine_overrides, "kv_quota": KVQuotaConfig(enabled=False)})
     on = run_workload(w, policy, tm, seed=seed, rate_scale=rate_scale, keep_token_times=False,
-                      **{**engine_overrides, "kv_quota": True})
+                      **{**engine_overrides, "kv_quota": KVQuotaConfig()})
     return tenant_rows(off), tenant_rows(on)
 
 
@@ -116,7 +117,7 @@ def every_workload(time_model: IterationTimeModel | None = None, seed: int = 0, 
         row = {"workload": w.name}
         for label, on in (("off", False), ("on", True)):
             res = run_workload(w, policy, tm, seed=seed, rate_scale=rate_scale, drain_s=math.inf, keep_token_times=False,
-                               **{**engine_overrides, "kv_quota": on})
+                               **{**engine_overrides, "kv_quota": KVQuotaConfig(enabled=on)})
             m = compute_metrics(res.log, res.engine.cost, window=res.window)
             row[label] = {"diff": m.max_pair_diff_units, "jain": m.jain, "tok_s": m.busy_tokens_per_s,
                           "ttft_p99": max(t.ttft_p99_s for t in m.tenants.values()),

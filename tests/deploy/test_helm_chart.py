@@ -523,6 +523,7 @@ def test_sglang_workers_get_the_flags_the_sglang_worker_accepts(helm, value_set)
 
 def test_kv_quota_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
     from worker.cli import build_parser, kv_quota_settings
+    from worker.scheduling.quota import KVQuotaConfig
 
     worker = container(one(helm.render(), "StatefulSet", "worker"), "worker")
     assert not [a for a in worker["args"] if a.startswith("--kv-")], "KV quotas are off by default"
@@ -533,14 +534,13 @@ def test_kv_quota_values_become_worker_flags_the_worker_accepts(helm, tmp_path):
     args = container(one(helm.render((str(f),)), "StatefulSet", "worker"), "worker")["args"]
     parser = build_parser()
     settings = kv_quota_settings(parser, parser.parse_args(args))  # exits on anything the worker refuses
-    assert settings == {"kv_quota": True, "kv_watermark": 0.9, "kv_headroom": 0.1, "kv_shared_buffer": 0.05,
-                        "kv_hard_cap": 0.75, "kv_soft_quotas": {"acme": 0.3, "batch": 0.1},
-                        "kv_hard_caps": {"globex": 0.5}}
+    assert settings == KVQuotaConfig(enabled=True, watermark=0.9, headroom=0.1, shared_buffer=0.05, hard_cap=0.75,
+                                     soft={"acme": 0.3, "batch": 0.1}, hard={"globex": 0.5})
     # as `--set` passes them (strings)
     args = container(one(helm.render(sets=("worker.kvQuota.enabled=true", "worker.kvQuota.watermark=0.7",
                                            "worker.kvQuota.softQuotas.batch=0.2")), "StatefulSet", "worker"), "worker")["args"]
     settings = kv_quota_settings(parser, parser.parse_args(args))
-    assert settings["kv_watermark"] == 0.7 and settings["kv_soft_quotas"] == {"batch": 0.2}
+    assert settings.watermark == 0.7 and settings.soft == {"batch": 0.2}
 
 
 def test_tier_values_become_worker_flags_the_worker_accepts(helm, tmp_path):

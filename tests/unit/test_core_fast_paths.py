@@ -66,9 +66,12 @@ def _ref_partial_heap(core, tier):
     return core._partial_heaps[tier]
 
 
+_WATER_FILL = decode_share.water_fill  # the real one (`_ref_plan_iteration` swaps the module's name)
+
+
 def _ref_water_fill(demand, weight, capacity, first=None):
     """Weighted max-min water-filling, every pass made (what `decode_share.water_fill` shortcuts)."""
-    return decode_share.water_fill(demand, weight, capacity, first, shortcuts=False)
+    return _WATER_FILL(demand, weight, capacity, first, shortcuts=False)
 
 
 def _ref_plan_iteration(core, decoding, budget):

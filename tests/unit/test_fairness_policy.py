@@ -9,7 +9,7 @@ from tests.unit.sched_steps import make_seq
 from worker.engine.block_manager import BlockManager
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SequenceStatus
-from worker.scheduling.cost import LinearCost, ProfiledCost, make_cost
+from worker.scheduling.cost import VTC_PAPER_FIT, LinearCost, ProfiledCost, QuadraticFit, make_cost
 from worker.scheduling.drr import DRRPolicy
 from worker.scheduling.eligibility import EligibilityGate
 from worker.scheduling.policy import VTCPredictPolicy, make_policy
@@ -24,7 +24,7 @@ def test_new_scheduling_modules_import_neither_torch_nor_grpc():
 
 # ---- cost --------------------------------------------------------------------------------------------
 def test_profiled_cost_charged_incrementally_sums_to_h():
-    c = ProfiledCost(a=0.5, b=1.0, c=0.01, d=0.002, e=3.0)
+    c = ProfiledCost(QuadraticFit(a=0.5, b=1.0, c=0.01, d=0.002, e=3.0))
     p, o = 300, 40
     total = c.prefill(128, start=0) + c.prefill(128, start=128) + c.prefill(44, start=256)
     total += sum(c.decode(1, p, k) for k in range(o))
@@ -37,10 +37,14 @@ def test_profiled_cost_charged_incrementally_sums_to_h():
 def test_make_cost_and_bad_coefficients():
     assert isinstance(make_cost("linear", alpha=1, beta=3), LinearCost)
     assert make_cost("profiled", profile=(1, 1, 0, 0, 0)).h(2, 3) == 5
+    assert make_cost("profiled", profile=(1, 1, 0, 0, 0)).fit == QuadraticFit(1.0, 1.0, 0.0, 0.0, 0.0)
+    assert make_cost("profiled").fit == ProfiledCost().fit == VTC_PAPER_FIT
     with pytest.raises(ValueError):
         make_cost("quadratic")
     with pytest.raises(ValueError):
-        ProfiledCost(a=0)
+        ProfiledCost(VTC_PAPER_FIT._replace(a=0))
+    with pytest.raises(ValueError, match="five coefficients"):
+        make_cost("profiled", profile=(1, 1))
     with pytest.raises(ValueError):
         LinearCost(cached_rate=2)
 

@@ -216,7 +216,7 @@ def test_engine_snapshot_reports_quota_state():
     from loadtests.sim.runner import IterationTimeModel
 
     res = run_workload(get_workload("memory-flood"), "vtc", IterationTimeModel.load(DEFAULT_PROFILE),
-                       drain_s=0.0, keep_token_times=False, kv_quota=True)
+                       drain_s=0.0, keep_token_times=False, kv_quota=KVQuotaConfig())
     snap = res.engine.snapshot()
     assert snap["kv_quota"] is True and snap["preemptions"] >= snap["reclaim_preemptions"] >= 0
     by = {t["tenant_id"]: t for t in snap["tenants"]}

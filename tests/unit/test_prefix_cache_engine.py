@@ -48,8 +48,8 @@ def run(engine, requests):
     def cb(o):
         d = outs.setdefault(o.request_id, [[], 0, None])
         d[0] += o.token_ids
-        if o.first_token_s is not None and d[2] is None and o.token_ids:
-            d[2] = o.first_token_s
+        if o.timings.first_token_s is not None and d[2] is None and o.token_ids:
+            d[2] = o.timings.first_token_s
         if o.finish_reason is not None:
             d[1] = o.cached_tokens
 
@@ -147,7 +147,7 @@ def test_ttft_floor_holds_back_the_first_token(tiny):
     engine = Engine(tiny, EngineConfig(ttft_floor_s={"interactive": 0.5}), runner, clock=clock)
     seen = []
     engine.add_request("x", "A", PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
-                       lambda o: seen.append((clock(), list(o.token_ids), o.first_token_s, o.finish_reason)),
+                       lambda o: seen.append((clock(), list(o.token_ids), o.timings.first_token_s, o.finish_reason)),
                        tier="interactive", arrival_time=0.0)
     while engine.step():
         pass
@@ -159,7 +159,7 @@ def test_ttft_floor_holds_back_the_first_token(tiny):
     assert seen[0][3] is not None
     # another tier has no floor
     engine.add_request("y", "A", PROMPT, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                       lambda o: seen.append((clock(), list(o.token_ids), o.first_token_s, o.finish_reason)),
+                       lambda o: seen.append((clock(), list(o.token_ids), o.timings.first_token_s, o.finish_reason)),
                        tier="batch")
     while engine.step():
         pass

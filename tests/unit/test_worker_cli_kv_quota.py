@@ -1,4 +1,4 @@
-"""`fairshare worker --kv-*` flags: parsed into EngineConfig fields; bad values are argparse errors
+"""`fairshare worker --kv-*` flags: parsed into EngineConfig.kv_quota (a KVQuotaConfig); bad values are argparse errors
 (exit 2, one `error:` line, no traceback) before any model is loaded."""
 
 from __future__ import annotations
@@ -11,29 +11,29 @@ import pytest
 from tests.unit.cli_checks import assert_worker_usage_error
 from worker.cli import build_parser, kv_quota_settings
 from worker.engine.engine import EngineConfig
+from worker.scheduling.quota import KVQuotaConfig
 
 
-def settings(*argv: str) -> dict:
+def settings(*argv: str) -> KVQuotaConfig:
     p = build_parser()
     return kv_quota_settings(p, p.parse_args(list(argv)))
 
 
 def test_defaults_keep_quotas_off_with_the_documented_values():
     s = settings()
-    assert s == {"kv_quota": False, "kv_watermark": 0.8, "kv_headroom": 0.05, "kv_shared_buffer": 0.0,
-                 "kv_hard_cap": 1.0, "kv_soft_quotas": {}, "kv_hard_caps": {}}
-    cfg = EngineConfig()  # the CLI's defaults are the engine's
-    assert {k: getattr(cfg, k) for k in s} == s
+    assert s == KVQuotaConfig(enabled=False, watermark=0.8, headroom=0.05, shared_buffer=0.0, hard_cap=1.0,
+                              soft={}, hard={})
+    assert EngineConfig().kv_quota == s  # the CLI's defaults are the engine's
 
 
 def test_flags_reach_the_engine_config():
     s = settings("--kv-quota", "--kv-watermark", "0.9", "--kv-headroom", "0.1", "--kv-shared-buffer", "0.2",
                  "--kv-hard-cap", "0.6", "--kv-soft-quota", "acme=0.3", "--kv-soft-quota", "batch=0.1",
                  "--kv-hard-cap-for", "acme=0.5")
-    q = EngineConfig(**s).quota_config()
+    q = EngineConfig(kv_quota=s).kv_quota
     assert (q.enabled, q.watermark, q.headroom, q.shared_buffer, q.hard_cap) == (True, 0.9, 0.1, 0.2, 0.6)
     assert q.soft == {"acme": 0.3, "batch": 0.1} and q.hard == {"acme": 0.5}
-    assert settings("--kv-quota", "--no-kv-quota")["kv_quota"] is False
+    assert settings("--kv-quota", "--no-kv-quota").enabled is False
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -75,5 +75,5 @@ def test_fairshare_up_passes_kv_quota_to_its_worker():
     on, off = worker_args("--kv-quota"), worker_args("--no-kv-quota")
     assert "--kv-quota" in on and "--no-kv-quota" in off
     p = build_parser()
-    assert kv_quota_settings(p, p.parse_args(on))["kv_quota"] is True
-    assert kv_quota_settings(p, p.parse_args(off))["kv_quota"] is False
+    assert kv_quota_settings(p, p.parse_args(on)).enabled is True
+    assert kv_quota_settings(p, p.parse_args(off)).enabled is False

@@ -34,7 +34,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer, stop_string_holdba
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import FinishReason, SamplingParams, Sequence
 from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S, FaultWindow
-from worker.scheduling.cost import make_cost
+from worker.scheduling.cost import QuadraticFit, make_cost
 from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
                                              DEFAULT_TIER_GRACE_ITERATIONS)
 from worker.scheduling.handback import DEFAULT_HAND_BACK_AFTER_S, HandBackRule
@@ -50,8 +50,8 @@ class EngineConfig:
     """Engine settings. Token counts in tokens, memory in MiB.
 
     policy: `vtc`, `vtc-pred`, `drr` or `fcfs`. cost: `linear` (alpha, beta, cached_rate: see
-    LinearCost) or `profiled` (profile = (a, b, c, d, e), see ProfiledCost). drr_quantum: DRR
-    quantum, service units. max_num_batched_tokens: token budget per iteration = prefill chunk
+    LinearCost) or `profiled` (profile: its `QuadraticFit`, None: the VTC paper's; see
+    ProfiledCost). drr_quantum: DRR quantum, service units. max_num_batched_tokens: token budget per iteration = prefill chunk
     size. prefill_slice: tokens per policy pick when the prefill budget is split among tenants.
     max_partial_prefills: most requests in partial (chunked) prefill at once (None: no limit;
     worker/scheduling/core.py; SGLang's scheduler has 1). max_skips: memory skips before KV is reserved for a tenant's head request. max_running: most
@@ -73,12 +73,9 @@ class EngineConfig:
     0: no limit; default 1, docs/fairness.md "Tiers"). tier_grace_iterations /
     lower_tier_idle_token_target: for that many iterations after the higher tier last had work, the
     lower tiers still take at most that many tokens an iteration (defaults 1024 / 16).
-    kv_quota: per-tenant KV quotas on (False: the quota-less behaviour). kv_watermark: pool
-    fraction up to which tenants may burst past their soft quota. kv_headroom: pool fraction
-    admissions may not use. kv_shared_buffer: pool fraction outside the soft quotas. kv_hard_cap:
-    default per-tenant hard cap (fraction of the pool). kv_soft_quotas / kv_hard_caps: per tenant
-    id or tier, a fraction of the pool (soft default: the tenant's weight share). See
-    worker/scheduling/quota.py and docs/memory-isolation.md.
+    kv_quota: the per-tenant KV quota settings (`KVQuotaConfig`: watermark, headroom, shared
+    buffer, hard caps and soft quotas, fractions of the pool; worker/scheduling/quota.py and
+    docs/memory-isolation.md). Default: `KVQuotaConfig(enabled=False)`, the quota-less behaviour.
     prefix_cache: the tenant-namespaced radix prefix cache on. cache_isolation: False only for
     experiments (one global namespace shared by all tenants: the unsafe baseline). public_prefixes:
     token-id lists shared across tenants (whole blocks only). ttft_floor_s: tier -> seconds; a
@@ -97,7 +94,7 @@ class EngineConfig:
     beta: float = 2.0
     cached_rate: float = 0.0
     cost: str = "linear"
-    profile: tuple[float, float, float, float, float] | None = None
+    profile: QuadraticFit | None = None
     drr_quantum: float = 512.0
     max_num_batched_tokens: int = 512
     prefill_slice: int = 16
@@ -119,13 +116,7 @@ class EngineConfig:
     lower_tier_token_target: int | None = DEFAULT_LOWER_TIER_TOKEN_TARGET
     tier_grace_iterations: int = DEFAULT_TIER_GRACE_ITERATIONS
     lower_tier_idle_token_target: int = DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET
-    kv_quota: bool = False
-    kv_watermark: float = 0.8
-    kv_headroom: float = 0.05
-    kv_shared_buffer: float = 0.0
-    kv_hard_cap: float = 1.0
-    kv_soft_quotas: dict = field(default_factory=dict)
-    kv_hard_caps: dict = field(default_factory=dict)
+    kv_quota: KVQuotaConfig = field(default_factory=lambda: KVQuotaConfig(enabled=False))
     prefix_cache: bool = True
     cache_isolation: bool = True
     public_prefixes: list = field(default_factory=list)
@@ -135,9 +126,22 @@ class EngineConfig:
     fault_window_s: float = DEFAULT_FAULT_WINDOW_S
     hand_back_after_s: float = DEFAULT_HAND_BACK_AFTER_S
 
-    def quota_config(self) -> KVQuotaConfig:
-        return KVQuotaConfig(self.kv_quota, self.kv_watermark, self.kv_headroom, self.kv_shared_buffer,
-                             self.kv_hard_cap, dict(self.kv_soft_quotas), dict(self.kv_hard_caps))
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """How long a request took to reach its first scheduling and its first token: the worker's
+    `Timings` message (proto/fairshare/v1/worker.proto) but for `iteration`. None: not reached yet.
+
+    queued_s / first_token_s: seconds from arrival at the worker to first scheduling / first output
+    token (the first token as the client sees it, TTFT floor included). queued_iterations /
+    first_token_iterations: the same in engine iterations (how many iterations started after the
+    request reached the engine until it was first scheduled / its first token committed).
+    """
+
+    queued_s: float | None = None
+    first_token_s: float | None = None
+    queued_iterations: int | None = None
+    first_token_iterations: int | None = None
 
 
 @dataclass
@@ -145,11 +149,9 @@ class RequestOutput:
     """What one request gained in one iteration (or its final message).
 
     token_ids: tokens committed since the last output. text_delta: complete UTF-8 text since the
-    last output. finish_reason: set once, on the last output. queued_s / first_token_s: seconds
-    from arrival at the worker to first scheduling / first output token. error: set when the
-    engine failed the request (then finish_reason is ABORT). queued_iterations /
-    first_token_iterations: the same in engine iterations (how many iterations started after the
-    request reached the engine until it was first scheduled / its first token committed).
+    last output. finish_reason: set once, on the last output. timings: how long it took to be
+    first scheduled and to its first token, so far (`RequestTimings`). error: set when the
+    engine failed the request (then finish_reason is ABORT).
     iteration: the engine iteration (counted as `snapshot()["iterations"]`) whose step produced it.
     logprobs: with `SamplingParams.logprobs`, one (token id, logprob, [(id, logprob), ...top]) per
     token in token_ids (worker/engine/sampler.py).
@@ -162,10 +164,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    queued_s: float | None = None
-    first_token_s: float | None = None
-    queued_iterations: int | None = None
-    first_token_iterations: int | None = None
+    timings: RequestTimings = field(default_factory=RequestTimings)
     iteration: int = 0
     error: str | None = None
     logprobs: list = field(default_factory=list)
@@ -220,7 +219,7 @@ class Engine:
         self.cost = make_cost(cfg.cost, alpha=cfg.alpha, beta=cfg.beta, cached_rate=cfg.cached_rate, profile=cfg.profile)
         options = {"quantum": cfg.drr_quantum} if cfg.policy == "drr" else {}
         self.policy = make_policy(cfg.policy, self.cost, **options)
-        self.quota = KVQuota(cfg.quota_config(), runner.num_kv_blocks) if cfg.kv_quota else None
+        self.quota = KVQuota(cfg.kv_quota, runner.num_kv_blocks) if cfg.kv_quota.enabled else None
         self.tiers = TierShares(cfg.tier_min_shares, floor_units=self.cost.max_prefill_rate * cfg.max_num_batched_tokens / 2,
                                 enabled=cfg.tier_scheduling)
         self.scheduler = Scheduler(self.policy, self.cost, self.block_manager, cfg.max_num_batched_tokens,
@@ -629,13 +628,7 @@ class Engine:
             request_id=seq.request_id, token_ids=new_tokens, text_delta=delta,
             finish_reason=seq.finish_reason if final else None,
             prompt_tokens=len(seq.prompt_token_ids), completion_tokens=len(seq.output_token_ids),
-            cached_tokens=seq.num_cached_tokens,
-            queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
-            first_token_s=None if seq.first_token_time is None else self._first_token_s(seq),
-            queued_iterations=None if seq.first_scheduled_iteration is None
-            else seq.first_scheduled_iteration - seq.arrival_iteration,
-            first_token_iterations=None if seq.first_token_iteration is None
-            else seq.first_token_iteration - seq.arrival_iteration,
+            cached_tokens=seq.num_cached_tokens, timings=self._timings(seq),
             iteration=self.scheduler.core.iteration, error=error, logprobs=new_logprobs,
         )
         if final:
@@ -648,6 +641,16 @@ class Engine:
                 callback(out)
             except Exception:
                 log.exception("output callback for %s failed", seq.request_id)
+
+    def _timings(self, seq: Sequence) -> RequestTimings:
+        """`seq`'s timings so far, from its arrival, first scheduling and first token."""
+        return RequestTimings(
+            queued_s=None if seq.first_scheduled_time is None else seq.first_scheduled_time - seq.arrival_time,
+            first_token_s=None if seq.first_token_time is None else self._first_token_s(seq),
+            queued_iterations=None if seq.first_scheduled_iteration is None
+            else seq.first_scheduled_iteration - seq.arrival_iteration,
+            first_token_iterations=None if seq.first_token_iteration is None
+            else seq.first_token_iteration - seq.arrival_iteration)
 
     def _first_token_s(self, seq: Sequence) -> float:
         """Seconds from arrival to the first token as the client sees it (the TTFT floor included)."""

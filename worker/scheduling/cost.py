@@ -21,6 +21,7 @@ cancelled or failed request keeps exactly what it consumed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -74,62 +75,84 @@ class LinearCost:
         return f"linear: c = {self.alpha:g}*P + {self.beta:g}*O (cached prompt tokens at {self.cached_rate:g}*alpha)"
 
 
+class QuadraticFit(NamedTuple):
+    """The coefficients of `h(P, O) = a·P + b·O + c·P·O + d·O² + e` (service units; P prompt
+    tokens, O output tokens): fitted to measured prefill and decode times on the serving hardware,
+    so that one unit ≈ one unit of GPU time. A plain 5-tuple `(a, b, c, d, e)` converts with
+    `QuadraticFit(*t)`."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    e: float
+
+
+# The VTC paper's published fit (milliseconds on an A10G with Llama-7B): useful as a shape. Nothing
+# in this repository fits one (`fairshare sim calibrate` fits the simulator's iteration time model).
+VTC_PAPER_FIT = QuadraticFit(a=0.21001891, b=0.10075395, c=0.0039868, d=0.00324733, e=1.14601454)
+
+
 @dataclass(frozen=True)
 class ProfiledCost:
     """Profiled quadratic cost `h(P, O) = a·P + b·O + c·P·O + d·O² + e` in service units
-    (VTC paper, the profiled cost function of its evaluation; the coefficients come from timing
-    prefill and decode on the serving hardware, so one unit ≈ one unit of GPU time).
+    (VTC paper, the profiled cost function of its evaluation).
 
-    The defaults are the paper's published fit (milliseconds on an A10G with Llama-7B), useful as a
-    shape; `fairshare sim calibrate` fits this machine's. cached_rate: fraction of `a` charged per
-    cached prompt token. Raises ValueError on negative coefficients or a non-positive `a` / `b`.
+    fit: the coefficients (`QuadraticFit`, or any 5-sequence (a, b, c, d, e); default the paper's,
+    `VTC_PAPER_FIT`). cached_rate: fraction of `a` charged per cached prompt token. Raises
+    ValueError on a fit that is not five numbers, negative coefficients or a non-positive `a` / `b`.
     """
 
-    a: float = 0.21001891
-    b: float = 0.10075395
-    c: float = 0.0039868
-    d: float = 0.00324733
-    e: float = 1.14601454
+    fit: QuadraticFit = VTC_PAPER_FIT
     cached_rate: float = 0.0
 
     name = "profiled"
 
     def __post_init__(self) -> None:
-        if self.a <= 0 or self.b <= 0 or min(self.c, self.d, self.e) < 0:
+        try:
+            fit = QuadraticFit(*map(float, self.fit))
+        except (TypeError, ValueError):
+            raise ValueError(f"profiled cost needs five coefficients (a, b, c, d, e), got {self.fit!r}") from None
+        object.__setattr__(self, "fit", fit)
+        if fit.a <= 0 or fit.b <= 0 or min(fit.c, fit.d, fit.e) < 0:
             raise ValueError("profiled cost needs a, b > 0 and c, d, e >= 0")
         if not 0.0 <= self.cached_rate <= 1.0:
             raise ValueError(f"cached_rate must be within [0, 1], got {self.cached_rate}")
 
     def h(self, prompt_tokens: int, output_tokens: int) -> float:
         """The cost of a whole request: `h(P, O)`."""
+        a, b, c, d, e = self.fit
         p, o = prompt_tokens, output_tokens
-        return self.a * p + self.b * o + self.c * p * o + self.d * o * o + self.e
+        return a * p + b * o + c * p * o + d * o * o + e
 
     def prefill(self, computed_tokens: int, cached_tokens: int = 0, start: int = 0) -> float:
         """Units for a prefill chunk: `a·computed + cached_rate·a·cached`, plus `e` when the chunk
         is the request's first (`start == 0`)."""
-        units = self.a * computed_tokens + self.cached_rate * self.a * cached_tokens
-        return units + (self.e if start == 0 and (computed_tokens or cached_tokens) else 0.0)
+        a, e = self.fit.a, self.fit.e
+        units = a * computed_tokens + self.cached_rate * a * cached_tokens
+        return units + (e if start == 0 and (computed_tokens or cached_tokens) else 0.0)
 
     def decode(self, output_tokens: int = 1, prompt_tokens: int = 0, prior_output: int = 0) -> float:
         """Units for output tokens `prior_output+1 … prior_output+output_tokens` of a request with
         `prompt_tokens` prompt tokens: `h(P, O1) − h(P, O0)`."""
+        _, b, c, d, _ = self.fit
         o0, o1 = prior_output, prior_output + output_tokens
-        return self.b * output_tokens + self.c * prompt_tokens * output_tokens + self.d * (o1 * o1 - o0 * o0)
+        return b * output_tokens + c * prompt_tokens * output_tokens + d * (o1 * o1 - o0 * o0)
 
     def request(self, prompt_tokens: int, output_tokens: int) -> float:
         return self.h(prompt_tokens, output_tokens)
 
     @property
     def max_prefill_rate(self) -> float:
-        return self.a
+        return self.fit.a
 
     def max_decode_rate(self, max_context: int) -> float:
         """Most units one output token can cost in a context of `max_context` tokens."""
-        return self.b + (self.c + 2 * self.d) * max_context
+        return self.fit.b + (self.fit.c + 2 * self.fit.d) * max_context
 
     def describe(self) -> str:
-        return (f"profiled: h(P, O) = {self.a:g}*P + {self.b:g}*O + {self.c:g}*P*O + {self.d:g}*O^2 + {self.e:g} "
+        a, b, c, d, e = self.fit
+        return (f"profiled: h(P, O) = {a:g}*P + {b:g}*O + {c:g}*P*O + {d:g}*O^2 + {e:g} "
                 f"(cached prompt tokens at {self.cached_rate:g}*a)")
 
 
@@ -137,11 +160,12 @@ CostFunction = LinearCost | ProfiledCost
 
 
 def make_cost(name: str = "linear", *, alpha: float = 1.0, beta: float = 2.0, cached_rate: float = 0.0,
-              profile: tuple[float, float, float, float, float] | None = None) -> CostFunction:
-    """Build a cost function by name: `linear` (alpha, beta) or `profiled` (profile = (a, b, c, d, e),
-    default the VTC paper's fit). Raises ValueError for an unknown name or bad coefficients."""
+              profile: QuadraticFit | None = None) -> CostFunction:
+    """Build a cost function by name: `linear` (alpha, beta) or `profiled` (profile: its
+    `QuadraticFit` or a 5-tuple (a, b, c, d, e); None: `VTC_PAPER_FIT`). Raises ValueError for an
+    unknown name or bad coefficients."""
     if name == "linear":
         return LinearCost(alpha, beta, cached_rate)
     if name == "profiled":
-        return ProfiledCost(*(profile or ()), cached_rate=cached_rate) if profile else ProfiledCost(cached_rate=cached_rate)
+        return ProfiledCost(VTC_PAPER_FIT if profile is None else profile, cached_rate)
     raise ValueError(f"unknown cost function {name!r}; choose 'linear' or 'profiled'")

@@ -31,10 +31,15 @@ Configuration (environment, inherited by SGLang's spawned processes):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.scheduling.quota import KVQuotaConfig
 
 log = logging.getLogger("fairshare.sglang_plugin")
 
@@ -76,15 +81,13 @@ def state_from_env(environ=None):
                           tier_min_shares=tiers.get("min_shares") or {}, tier_scheduling=bool(tiers.get("scheduling", True)))
 
 
-def plugin_env(kv_quota: dict | None = None, tiers: dict | None = None) -> dict[str, str]:
+def plugin_env(kv_quota: KVQuotaConfig | None = None, tiers: dict | None = None) -> dict[str, str]:
     """The environment `state_from_env` reads for the worker's KV quota and tier settings (as
-    `worker.cli.kv_quota_settings` / `tier_settings` return them)."""
+    `worker.cli.kv_quota_settings` / `tier_settings` return them: a `KVQuotaConfig`, whose fields
+    become the JSON object of `QUOTA_ENV` when it is enabled)."""
     out = {}
-    if kv_quota is not None and kv_quota.get("kv_quota"):
-        out[QUOTA_ENV] = json.dumps({"enabled": True, "watermark": kv_quota["kv_watermark"],
-                                     "headroom": kv_quota["kv_headroom"], "shared_buffer": kv_quota["kv_shared_buffer"],
-                                     "hard_cap": kv_quota["kv_hard_cap"], "soft": kv_quota["kv_soft_quotas"],
-                                     "hard": kv_quota["kv_hard_caps"]}, sort_keys=True)
+    if kv_quota is not None and kv_quota.enabled:
+        out[QUOTA_ENV] = json.dumps(dataclasses.asdict(kv_quota), sort_keys=True)
     if tiers is not None:
         out[TIERS_ENV] = json.dumps({"scheduling": bool(tiers["tier_scheduling"]),
                                      "min_shares": tiers["tier_min_shares"]}, sort_keys=True)
