@@ -58,7 +58,7 @@ def test_a_handed_back_request_ends_before_any_token_and_frees_everything(tiny):
     assert engine.step()
     (out,) = outs["a1"]
     assert out.finish_reason is FinishReason.HANDED_BACK and out.token_ids == [] and out.text_delta == ""
-    assert out.completion_tokens == 0 and out.queued_s is None
+    assert out.completion_tokens == 0 and out.timings.queued_s is None
     assert "a1" not in engine.scheduler.by_id and "a1" not in engine.scheduler.core.entries
     assert engine.scheduler.num_waiting() == 0
     assert engine.block_manager.num_used == blocks  # only r1's blocks (a1 never held one)
