@@ -594,7 +594,9 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
                     routing.set_attribute("fairshare.worker", w.addr)
                 return gen
             if last is HANDED_BACK:  # not a failure: the worker stays healthy and no retry is spent
-                gen.fail("handed_back")
+                if gen.span.is_recording():
+                    gen.span.set_attribute("fairshare.handed_back", True)
+                gen.close()
                 route = replace(route, handed_back=route.handed_back + 1)
                 if metrics is not None:
                     metrics.hand_backs.labels(w.addr).inc()
