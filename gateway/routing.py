@@ -24,7 +24,8 @@
   request retried on another worker. A worker that *hands the request back* (it waited there unadmitted
   with no room: worker/scheduling/handback.py; allowed only while another worker exists, once per
   request) is neither marked failed nor counted as a retry: the request is routed to another
-  worker, on the same admission lease, and the client sees nothing of it. Each
+  worker, on the same admission lease, and the client sees nothing of it (should every other worker
+  then fail before its first token, it goes back to the worker that handed it back, to wait there). Each
   attempt is a ``gateway.worker_call`` CLIENT span whose W3C trace context travels in the call's
   gRPC metadata (``traceparent``), so the worker's spans are its children.
 """
@@ -574,9 +575,13 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
     tried: set[WorkerClient] = set()
     last: str = "no worker serves this model"
     route = route_request(request, cost)
+    handed: set[WorkerClient] = set()  # workers that handed it back (healthy: it may wait there after all)
     failures = attempt = 0
     while failures < max(1, max_attempts):
         w = pool.pick(model, tried, route)
+        if w is None and handed:  # only the workers that handed it back are left: wait at one, do not fail
+            w = pool.pick(model, tried - handed, route)
+            handed.discard(w)
         if w is None:
             break
         tried.add(w)
@@ -593,10 +598,11 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
                 if routing.is_recording():
                     routing.set_attribute("fairshare.worker", w.addr)
                 return gen
-            if last is HANDED_BACK:  # not a failure: the worker stays healthy and no retry is spent
+            if last == HANDED_BACK:  # not a failure: the worker stays healthy and no retry is spent
                 if gen.span.is_recording():
                     gen.span.set_attribute("fairshare.handed_back", True)
                 gen.close()
+                handed.add(w)
                 route = replace(route, handed_back=route.handed_back + 1)
                 if metrics is not None:
                     metrics.hand_backs.labels(w.addr).inc()

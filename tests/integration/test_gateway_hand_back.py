@@ -34,31 +34,54 @@ def two_workers(tmp_path_factory):
         stop_worker(proc)
 
 
-def test_a_request_handed_back_completes_on_the_other_worker(gateway_factory, two_workers):
-    controls = {addr: WorkerControl(addr) for addr in two_workers}
-    try:
-        for c in controls.values():
+class FullWorker:
+    """The first request streaming on one of the two workers, that worker held right after its first
+    token with its one slot taken (`full`); the other worker free (`other`)."""
+
+    def __init__(self, gateway_factory, workers: list[str], tenant: str) -> None:
+        self.controls = {addr: WorkerControl(addr) for addr in workers}
+        for c in self.controls.values():
             c.reset()
-            c.hold_when("token", tenant="hb", count=1)  # whichever runs the first request holds after its token
-        gw = gateway_factory([{"id": "hb", "limits": {"tpm": 100000}}], workers=two_workers, health_interval_s=30.0,
-                             metrics_token=METRICS_TOKEN)
-        client = gw.client("hb")
-        first: dict = {}
-
-        def hold_the_slot() -> None:  # streams until the test releases the worker it runs on
-            stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, stream=True)
-            first["chunks"] = list(stream)
-
-        holder = threading.Thread(target=hold_the_slot, daemon=True)
-        holder.start()
-        wait_for(lambda: any(c.state()["held"] for c in controls.values()),
+            c.hold_when("token", tenant=tenant, count=1)  # whichever runs the first request holds after its token
+        self.gw = gateway_factory([{"id": tenant, "limits": {"tpm": 100000}}], workers=workers,
+                                  health_interval_s=30.0, metrics_token=METRICS_TOKEN)
+        self.client = self.gw.client(tenant)
+        self.first: dict = {}
+        self.holder = threading.Thread(target=self._hold_the_slot, daemon=True)
+        self.holder.start()
+        wait_for(lambda: any(c.state()["held"] for c in self.controls.values()),
                  "a worker held after the first request's first token")
-        full = next(addr for addr, c in controls.items() if c.state()["held"])
-        other = next(addr for addr in two_workers if addr != full)
-        controls[other].reset()  # disarm its hold: the handed-back request runs there to its end
-        assert controls[full].tenant_load("hb")["running"] == 1
+        self.full = next(addr for addr, c in self.controls.items() if c.state()["held"])
+        self.other = next(addr for addr in workers if addr != self.full)
+        self.controls[self.other].reset()  # disarm its hold: a handed-back request runs there to its end
+        assert self.controls[self.full].tenant_load(tenant)["running"] == 1
 
-        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+    def _hold_the_slot(self) -> None:  # streams until the test releases the worker it runs on
+        stream = self.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, stream=True)
+        self.first["chunks"] = list(stream)
+
+    def metrics(self) -> str:
+        return httpx.get(self.gw.base_url + "/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}).text
+
+    def release_and_finish(self, tenant: str) -> None:
+        """Release the full worker; the first request runs to its end; the tenant's leases are released."""
+        self.controls[self.full].reset()
+        self.holder.join(120)
+        assert not self.holder.is_alive(), "the first stream never ended after its worker was released"
+        assert self.first["chunks"][-1].choices[0].finish_reason == "length"
+        wait_for(lambda: self.gw.leases(tenant) == {}, "the tenant's in-flight leases released")
+
+    def close(self) -> None:
+        for c in self.controls.values():
+            c.reset()
+            c.close()
+
+
+def test_a_request_handed_back_completes_on_the_other_worker(gateway_factory, two_workers):
+    pool = FullWorker(gateway_factory, two_workers, "hb")
+    try:
+        full, other, controls = pool.full, pool.other, pool.controls
+        r = pool.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
 
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
         assert r.choices[0].message.content is not None
@@ -68,18 +91,42 @@ def test_a_request_handed_back_completes_on_the_other_worker(gateway_factory, tw
         assert handed.tokens == [] and controls[full].tenant_load("hb")["waiting"] == 0
         (ran,) = on_other.values()
         assert ran.request_id.startswith(handed.request_id) and ran.reason == "length" and len(ran.tokens) == 5
-        metrics = httpx.get(gw.base_url + "/metrics", headers={"authorization": f"Bearer {METRICS_TOKEN}"}).text
+        metrics = pool.metrics()
         assert f'fairshare_gateway_hand_backs_total{{worker="{full}"}} 1.0' in metrics
         assert "fairshare_gateway_worker_retries_total{" not in metrics  # a hand-back is no failure
-        ready = httpx.get(gw.base_url + "/readyz").json()
+        ready = httpx.get(pool.gw.base_url + "/readyz").json()
         assert all(w["healthy"] for w in ready["workers"])  # the full worker was not marked failed
-
-        controls[full].reset()  # the first request runs to its end
-        holder.join(120)
-        assert not holder.is_alive(), "the first stream never ended after its worker was released"
-        assert first["chunks"][-1].choices[0].finish_reason == "length"
-        wait_for(lambda: gw.leases("hb") == {}, "the tenant's in-flight leases released")
+        pool.release_and_finish("hb")
     finally:
-        for c in controls.values():
-            c.reset()
-            c.close()
+        pool.close()
+
+
+def test_a_handed_back_request_whose_other_worker_fails_waits_where_it_was(gateway_factory, two_workers):
+    """The other worker fails it before its first token: no worker is left but the one that handed it
+    back, which is healthy, so the request goes back there (not to be handed back again) and runs once
+    a slot frees."""
+    pool = FullWorker(gateway_factory, two_workers, "hb-fail")
+    try:
+        full, other, controls = pool.full, pool.other, pool.controls
+        controls[other].inject("error_after", tenant="hb-fail", after=0, times=1)  # INTERNAL before its first token
+        second: dict = {}
+
+        def send() -> None:
+            second["r"] = pool.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5)
+
+        t = threading.Thread(target=send, daemon=True)
+        t.start()
+        back = lambda: [e for e in controls[full].requests(tenant="hb-fail").values() if e.admit is None]  # noqa: E731
+        wait_for(lambda: len(back()) == 2, lambda: f"the second request back on the full worker; arrivals there: "
+                 f"{[e.request_id for e in back()]}")
+        assert controls[other].tenant_load("hb-fail") is None or controls[other].tenant_load("hb-fail")["running"] == 0
+        pool.release_and_finish("hb-fail")
+        t.join(120)
+        assert not t.is_alive(), "the second request never finished after the full worker was released"
+        r = second["r"]
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+        metrics = pool.metrics()
+        assert f'fairshare_gateway_hand_backs_total{{worker="{full}"}} 1.0' in metrics
+        assert f'fairshare_gateway_worker_retries_total{{worker="{other}"}} 1.0' in metrics
+    finally:
+        pool.close()
