@@ -39,10 +39,11 @@ admissions:
   gateway see each move before the next is made. One an iteration is tens a second, far more than a
   worker's slots free.
 
-Defaults (0.5 s, one an iteration) are the `fairshare sim skew` figures' (docs/fairness.md, "Fair
-shares over a pool"): shorter waits move requests that were about to start at home, longer ones
-leave the crowded tenant's requests waiting; more than one an iteration moves several requests on
-one stale board read, which then crowd the same worker.
+Defaults (0.5 s, one an iteration) were chosen on `fairshare sim skew --seeds 0-4` (docs/fairness.md,
+"Fair shares over a pool", has the variants' figures): the only wait among 0.3-1 s that meets the
+2x goal at all five seeds there, so a narrow window of that workload, not a law. One an iteration
+beat two and four (presumably because several moves made on one stale board read land on the same
+worker; not traced).
 
 The executor removes what it hands back exactly like an abort before admission (nothing to free but
 the queue entry; nothing was charged) and ends the request's stream before any token with its own
