@@ -42,7 +42,7 @@ admissions:
 Defaults (0.5 s, one an iteration) were chosen on `fairshare sim skew --seeds 0-4` (docs/fairness.md,
 "Fair shares over a pool", has the variants' figures): the only wait among 0.3-1 s that meets the
 2x goal at all five seeds there, so a narrow window of that workload, not a law. One an iteration
-beat two and four (presumably because several moves made on one stale board read land on the same
+beat two and four in the oldest-first variant (presumably because several moves made on one stale board read land on the same
 worker; not traced).
 
 The executor removes what it hands back exactly like an abort before admission (nothing to free but
