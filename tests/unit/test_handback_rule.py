@@ -79,10 +79,12 @@ def test_only_requests_the_gateway_lets_go_and_never_when_off():
     sched, _, clock, _, waiting = full_worker(2, may=False)
     clock.t = 10.0
     assert sched.hand_back(HandBackRule(after_s=1.0)) == []  # may_hand_back unset: they wait here
-    waiting[1].may_hand_back = True
+    let_go = seq("a", 2.0, may=True)  # (the gateway sets the flag per request, before the worker sees it)
+    sched.add(let_go)
     assert HandBackRule(after_s=0).enabled is False
     assert sched.hand_back(HandBackRule(after_s=0)) == []
-    assert sched.hand_back(HandBackRule(after_s=1.0)) == [waiting[1]]
+    assert sched.hand_back(HandBackRule(after_s=1.0)) == [let_go]
+    assert all(s.status is SequenceStatus.WAITING for s in waiting)
 
 
 def test_a_request_with_room_here_stays():

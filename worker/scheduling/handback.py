@@ -55,6 +55,7 @@ Units: seconds (on the executor's clock), requests.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Callable
 
@@ -95,32 +96,30 @@ class HandBackRule:
         if not self.enabled or core.num_waiting() == 0:
             return []
         due = now - self.after_s
+        accounts = core.policy.accounts  # the tenant most owed service first (its counter), then the oldest
         ready = []
         for ts in core.tenants.values():
+            verdict = None  # the board's answer for this tenant, asked once, only if it has a due request
             for e in ts.waiting:
                 if e.arrival <= due and not e.admitted_once and e.preemptions == 0 and may_hand_back(e.handle):
-                    ready.append(e)
+                    if room_elsewhere is not None:
+                        if verdict is None:
+                            verdict = room_elsewhere(ts.tenant_id, ts.tier)
+                        if not verdict:
+                            break  # no worker would serve this tenant sooner: none of its requests moves
+                    acct = accounts.get(ts.tenant_id)
+                    ready.append((acct.virtual_counter if acct is not None else 0.0, e.arrival, e.request_id, e))
         if not ready:
             return []
-        accounts = core.policy.accounts  # the tenant most owed service first (its counter), then the oldest
-        ready.sort(key=lambda e: (accounts[e.tenant_id].virtual_counter if e.tenant_id in accounts else 0.0,
-                                  e.arrival, e.request_id))
+        heapq.heapify(ready)  # popped in (counter, arrival, id) order: usually the first one goes
         led = core.ledger
         out = []
-        verdicts: dict[tuple[str, str], bool] = {}
-        for e in ready:
+        while ready and len(out) < self.per_iteration:
+            e = heapq.heappop(ready)[3]
             tid = e.tenant_id
             if led.free_slots(tid, e.request_id) > 0 and core.executor.admission_need(e.handle) <= led.room(tid, e.request_id):
                 continue  # room here: it starts within the next iterations
-            if room_elsewhere is not None:
-                key = (tid, e.tenant.tier)
-                if key not in verdicts:
-                    verdicts[key] = room_elsewhere(*key)
-                if not verdicts[key]:
-                    continue
             out.append(e)
-            if len(out) >= self.per_iteration:
-                break
         return out
 
 
