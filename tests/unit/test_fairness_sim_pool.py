@@ -68,9 +68,11 @@ def test_prefix_and_fair_keep_one_workers_hit_rate_without_queueing_longer(local
 
 
 # Issue #18's goal for the skewed overload is fair <= 2x single-worker VTC's max difference at every
-# seed; with hand-back (worker/scheduling/handback.py) it holds at seeds 0-4 (`fairshare sim skew
-# --seeds 0-4`; docs/architecture.md "What fair means across a pool" has the table and the margins,
-# thin at seeds 1, 2 and 4). WITHIN_2X_SEEDS are the seeds the 2x goal is asserted at: every seed run.
+# seed; with hand-back (worker/scheduling/handback.py) it holds at seeds 0-4, the seeds its 0.5 s wait
+# was chosen on (`fairshare sim skew --seeds 0-4`; margins thin at seeds 1, 2 and 4), and not at the
+# held-out seeds 5-9 (2.2x-3.8x; docs/architecture.md "What fair means across a pool"). So these
+# exact, deterministic figures guard the rule against regressions; they do not show the goal met in
+# general. WITHIN_2X_SEEDS are the seeds the 2x goal is asserted at: every seed run.
 SKEW_SEEDS = (0, 1, 2, 3, 4)
 WITHIN_2X_SEEDS = SKEW_SEEDS
 
