@@ -3,7 +3,11 @@
 - `TIER_NAMES`: `fairshare.v1.Tier` value → tier name (`fairshare.tiers`); an unspecified tier
   counts as `fairshare.tiers.DEFAULT_TIER`.
 - `TIER_ENUMS`: tier name → `fairshare.v1.Tier` value.
-- `FINISH_ENUMS`: finish reason name (`stop` | `length` | `abort`) → `fairshare.v1.FinishReason`.
+- `FINISH_ENUMS`: finish reason name (`stop` | `length` | `abort` | `handed_back`) →
+  `fairshare.v1.FinishReason`.
+- `MAX_HAND_BACKS`: how many times the gateway lets one request be handed back by a worker before
+  its first token (`GenerateRequest.may_hand_back`; worker/scheduling/handback.py): once, so a
+  request never ping-pongs between full workers.
 - `SERVICE_NAME`: the gRPC service name, also used for `grpc.health.v1` checks.
 - `INVALID_METADATA_KEY`: trailing-metadata key of a worker's INVALID_ARGUMENT that names the faulty
   input (value ``grammar``: the request's grammar does not compile), so the gateway can answer with
@@ -22,4 +26,5 @@ INVALID_METADATA_KEY = "fairshare-invalid"
 TIER_ENUMS = {t.value: worker_pb2.Tier.Value(f"TIER_{t.name}") for t in Tier}
 TIER_NAMES = {worker_pb2.TIER_UNSPECIFIED: DEFAULT_TIER, **{v: k for k, v in TIER_ENUMS.items()}}
 FINISH_ENUMS = {"stop": worker_pb2.FINISH_REASON_STOP, "length": worker_pb2.FINISH_REASON_LENGTH,
-                "abort": worker_pb2.FINISH_REASON_ABORT}
+                "abort": worker_pb2.FINISH_REASON_ABORT, "handed_back": worker_pb2.FINISH_REASON_HANDED_BACK}
+MAX_HAND_BACKS = 1

@@ -47,6 +47,9 @@ class GatewayMetrics:
                                       "(to spare capacity, or to where its pool-wide counter is first in line)", ["tenant"], registry=r)
         self.worker_retries = Counter("fairshare_gateway_worker_retries", "Generations retried on another worker "
                                       "after failing before the first token", ["worker"], registry=r)
+        self.hand_backs = Counter("fairshare_gateway_hand_backs", "Requests a worker handed back before their first "
+                                  "token (queued there with no room) and the gateway routed to another worker",
+                                  ["worker"], registry=r)
         self.disconnects = Counter("fairshare_gateway_client_disconnects", "Clients that went away before the end",
                                    ["tenant"], registry=r)
         self.redis_errors = Counter("fairshare_gateway_redis_errors", "Redis calls that failed", registry=r)

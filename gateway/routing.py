@@ -21,7 +21,11 @@
   less than the health poll interval (the soonest the pool can see a worker come back).
 - `start_generation`: opens a ``Generate`` stream on the worker the routing policy picks and reads
   until the first token; a worker that fails before that is abandoned (its call cancelled) and the
-  request retried on another worker. Each
+  request retried on another worker. A worker that *hands the request back* (it waited there unadmitted
+  with no room: worker/scheduling/handback.py; allowed only while another worker exists, once per
+  request) is neither marked failed nor counted as a retry: the request is routed to another
+  worker, on the same admission lease, and the client sees nothing of it (should every other worker
+  then fail before its first token, it goes back to the worker that handed it back, to wait there). Each
   attempt is a ``gateway.worker_call`` CLIENT span whose W3C trace context travels in the call's
   gRPC metadata (``traceparent``), so the worker's spans are its children.
 """
@@ -31,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 import grpc
@@ -42,7 +46,7 @@ from opentelemetry.trace import SpanKind
 from gateway.background import cancel_and_wait
 from fairshare.telemetry import inject_metadata
 from fairshare.worker_auth import generate_claims
-from fairshare.contract import INVALID_METADATA_KEY
+from fairshare.contract import INVALID_METADATA_KEY, MAX_HAND_BACKS
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from fairshare.contract import TIER_NAMES
@@ -571,20 +575,38 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
     tried: set[WorkerClient] = set()
     last: str = "no worker serves this model"
     route = route_request(request, cost)
-    for attempt in range(max(1, max_attempts)):
+    handed: set[WorkerClient] = set()  # workers that handed it back (healthy: it may wait there after all)
+    failures = attempt = 0
+    while failures < max(1, max_attempts):
         w = pool.pick(model, tried, route)
+        if w is None and handed:  # only the workers that handed it back are left: wait at one, do not fail
+            w = pool.pick(model, tried - handed, route)
+            handed.discard(w)
         if w is None:
             break
         tried.add(w)
         if routing.is_recording():
             routing.set_attribute("fairshare.attempts", attempt + 1)
+        # the worker may hand it back before admission only when another worker could take it
+        # (worker/scheduling/handback.py; at most MAX_HAND_BACKS times)
+        request.may_hand_back = route.handed_back < MAX_HAND_BACKS and bool(pool.candidates(model, tried))
         gen = _call_worker(w, request, attempt, cost, tracer, parent, deadline, signer)
+        attempt += 1
         try:
             last = await _until_first_token(gen)
             if not last:
                 if routing.is_recording():
                     routing.set_attribute("fairshare.worker", w.addr)
                 return gen
+            if last == HANDED_BACK:  # not a failure: the worker stays healthy and no retry is spent
+                if gen.span.is_recording():
+                    gen.span.set_attribute("fairshare.handed_back", True)
+                gen.close()
+                handed.add(w)
+                route = replace(route, handed_back=route.handed_back + 1)
+                if metrics is not None:
+                    metrics.hand_backs.labels(w.addr).inc()
+                continue
             log.warning("%s; retrying on another worker", last)
             gen.fail("no_first_token")
         except grpc.aio.AioRpcError as e:
@@ -593,6 +615,7 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
         except BaseException:
             gen.close()
             raise
+        failures += 1
         if metrics is not None:
             metrics.worker_retries.labels(w.addr).inc()
     log.warning("no worker could serve request %s (%s)", request.request_id, last)
@@ -621,15 +644,22 @@ def _call_worker(w: WorkerClient, request: pb.GenerateRequest, attempt: int, cos
     return Generation(w, call, req.request_id, cost, [], span)
 
 
+HANDED_BACK = "handed back before its first token"  # `_until_first_token`: route it to another worker
+
+
 async def _until_first_token(gen: Generation) -> str:
-    """Read `gen`'s stream into ``gen.pending`` until its first token (or finish): "" then; else why the
-    worker failed before it (the stream ended, or the worker aborted). Raises grpc.aio.AioRpcError."""
+    """Read `gen`'s stream into ``gen.pending`` until its first token (or finish): "" then;
+    `HANDED_BACK` when the worker handed the request back (FINISH_REASON_HANDED_BACK, before any
+    token: worker/scheduling/handback.py); else why the worker failed before it (the stream ended, or
+    the worker aborted). Raises grpc.aio.AioRpcError."""
     it = gen.call.__aiter__()
     while True:
         try:
             msg = await it.__anext__()
         except StopAsyncIteration:  # stream ended without a final message: a broken worker
             return f"worker {gen.worker.addr} ended the stream without finishing"
+        if msg.finish_reason == pb.FINISH_REASON_HANDED_BACK and not msg.token_ids and not msg.text_delta:
+            return HANDED_BACK
         if msg.finish_reason == pb.FINISH_REASON_ABORT and not msg.token_ids and not msg.text_delta:
             return f"worker {gen.worker.addr} aborted the request before its first token"
         gen.pending.append(msg)

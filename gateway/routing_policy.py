@@ -57,7 +57,9 @@ class RouteRequest:
 
     tenant_id / tier: the authenticated tenant. namespace: whatever separates its prefix cache from
     others' (the gateway's per-tenant cache namespace plus the client's cache_salt). prompt: token
-    ids. cost: tokens it holds while in flight (prompt + max_tokens).
+    ids. cost: tokens it holds while in flight (prompt + max_tokens). handed_back: times a worker
+    handed it back before its first token (`worker.scheduling.handback`); the worker that did is
+    left out of the candidates by the caller.
     """
 
     tenant_id: str
@@ -65,6 +67,7 @@ class RouteRequest:
     prompt: Sequence[int]
     cost: int
     tier: str = "interactive"
+    handed_back: int = 0
 
 
 class Candidate(Protocol):
@@ -288,12 +291,25 @@ class FairRouting(PrefixAffinity):
                 best, best_margin = c, margin
         return best
 
+    def handed_back_target(self, request: RouteRequest, candidates: Sequence[Candidate], board: PoolBoard):
+        """Where a handed-back request goes (the worker that handed it back is not among
+        `candidates`): the least-loaded worker where nobody of its tier queues (it starts at once),
+        else the worker where it is first in line (`lag_target`), else None (route as any request).
+        The worker-side twin of this test is `worker.scheduling.pool.PoolCounters.room_elsewhere`:
+        a worker hands back only when the board shows such a worker."""
+        spare = [c for c in candidates if not self._queued(board, c.route_id, request)]
+        if spare:
+            return min(spare, key=lambda c: (c.load_score(), c.route_id))
+        return self.lag_target(request, candidates, board)
+
     def spill_target(self, request: RouteRequest, candidates: Sequence[Candidate]):
         """Where the request spills to (spare capacity first, then first in line), or None: route by
         affinity."""
         board = self.board()
         if not board.workers:
             return None
+        if request.handed_back:
+            return self.handed_back_target(request, candidates, board)
         home = super().choose(request, candidates)
         queued = self._queued(board, home.route_id, request)
         if request.tenant_id in queued:

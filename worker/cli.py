@@ -17,6 +17,7 @@
                      [--no-prefix-cache] [--public-prefix-file PATH] [--ttft-floor TIER=SECONDS ...]
                      [--cached-rate 0] [--unsafe-global-cache]
                      [--worker-id ID] [--pool-redis-url URL] [--pool-interval-s 0.1] [--pool-key-prefix P]
+                     [--hand-back-after-s 0.5]
 
 Tiers (docs/fairness.md, "Tiers"): strict priority interactive > batch > background, each lower tier
 keeping a minimum share of service (`--tier-min-share batch=0.05 --tier-min-share background=0.05`, the
@@ -475,6 +476,7 @@ def main(argv: list[str] | None = None, *, configure=None) -> int:
                           max_model_len=args.max_model_len, device=args.device, dtype=args.dtype,
                           quantization=args.quantization, kv_quota=kv_quota, **tiers,
                           fault_limit=args.engine_fault_limit, fault_window_s=args.engine_fault_window_s,
+                          hand_back_after_s=args.hand_back_after_s,
                           **cache_settings(parser, args, model.tokenizer, model.config.vocab_size))
     try:
         engine = Engine(model, config)

@@ -1,7 +1,7 @@
 """The worker's side of the pool: its identity and the pool board exchange (`fairshare worker` flags).
 
     fairshare worker ... [--worker-id ID] [--pool-redis-url redis://HOST:6379/0]
-                         [--pool-interval-s 0.1] [--pool-key-prefix fairshare]
+                         [--pool-interval-s 0.1] [--pool-key-prefix fairshare] [--hand-back-after-s 0.5]
 
 `--worker-id` (default ``<hostname>:<port>``; a StatefulSet pod's hostname is its stable name) is
 reported in ``ModelInfo.worker_id`` and ``Load.worker_id``: the gateway's prefix routing hashes on
@@ -15,6 +15,12 @@ workers' reports into the engine's counters, in one Redis round trip. Without it
 is its own (the pool's shares then hold per worker only). Redis failing is logged once; the
 counters keep the last read (they fall back to per-worker behaviour as the others' service stops
 being added) until it answers again.
+
+`--hand-back-after-s` (default 0.5; 0: off): a queued request that was never admitted, that the
+gateway lets go (it does only while another worker exists, once per request) and that waited that
+long with no room here, is handed back to the gateway to be routed elsewhere, when this worker's
+last board read shows a worker likely to start it sooner (`worker.scheduling.handback`;
+docs/fairness.md, "Fair shares over a pool").
 """
 
 from __future__ import annotations
@@ -27,7 +33,19 @@ import threading
 import time
 import uuid
 
+from worker.scheduling.handback import DEFAULT_HAND_BACK_AFTER_S
+
 log = logging.getLogger("fairshare.worker")
+
+
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= x < 3600:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 3600) seconds")
+    return x
 
 
 def _interval(text: str) -> float:
@@ -52,6 +70,11 @@ def add_pool_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pool-interval-s", type=_interval, default=0.1,
                    help="publish and read the pool board this often (default 0.1 s: the counters' staleness)")
     g.add_argument("--pool-key-prefix", default="fairshare", help="Redis key prefix (the gateway's, default fairshare)")
+    g.add_argument("--hand-back-after-s", type=_seconds, default=DEFAULT_HAND_BACK_AFTER_S, metavar="S",
+                   help="a queued request the gateway lets go (another worker exists) that this worker never "
+                        "admitted and has no room for after S seconds is handed back to be routed elsewhere, "
+                        "when the pool board shows a worker likely to start it sooner (worker/scheduling/"
+                        f"handback.py; default {DEFAULT_HAND_BACK_AFTER_S:g}; 0: never)")
 
 
 def worker_id_of(args: argparse.Namespace) -> str:

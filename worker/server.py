@@ -65,7 +65,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fairshare import worker_auth
 from fairshare.tiers import DEFAULT_TIER
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
-from fairshare.contract import INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
+from fairshare.contract import FINISH_ENUMS, INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
 from fairshare.contract import TIER_NAMES as _TIER_NAMES
 from worker.engine.engine import Engine, EngineFailed, RequestOutput, RequestTimings
 from worker.faults import EXIT_ENGINE_FAILED
@@ -76,9 +76,8 @@ from worker.tracing import RequestTrace, worker_tracer
 
 log = logging.getLogger("fairshare.worker")
 
-_FINISH = {FinishReason.STOP: worker_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: worker_pb2.FINISH_REASON_LENGTH,
-           FinishReason.ABORT: worker_pb2.FINISH_REASON_ABORT}
-_FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+_FINISH = {r: FINISH_ENUMS[r.value] for r in FinishReason}
+_FINISH_NAMES = {r: r.value for r in FinishReason}
 
 
 def grammar_of(p: worker_pb2.SamplingParams) -> tuple[str, str] | None:
@@ -216,6 +215,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 request_id, tenant.id, list(request.prompt_token_ids), sampling_from_proto(request.sampling, compiled),
                 on_output, weight=tenant.weight or 1.0, tier=tier,
                 cache_salt=request.cache_salt,  # the engine derives the namespace (worker/cache/namespace.py)
+                may_hand_back=request.may_hand_back,  # worker/scheduling/handback.py
             )
         except EngineFailed as exc:
             rt.end("rejected")
@@ -271,8 +271,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             if not finished:  # cancelled by the client (or the server shutting down)
                 self.engine.abort(request_id)
             rt.end(outcome, end_ns, final)
-            self.metrics.observe_finish(tenant.id, outcome, final.prompt_tokens if final else 0,
-                                        final.cached_tokens if final else 0)
+            ran = final is not None and final.finish_reason is not FinishReason.HANDED_BACK  # handed back: it runs elsewhere
+            self.metrics.observe_finish(tenant.id, outcome, final.prompt_tokens if ran else 0,
+                                        final.cached_tokens if ran else 0)
 
     async def Abort(self, request, context):
         await self._authenticate(worker_auth.abort_claims(request), context)

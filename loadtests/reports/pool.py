@@ -67,6 +67,7 @@ class SkewRow:
     # the tenant of the pair that got less in that stretch and the longest queue time (s) of its
     # requests queued during it: a request waiting for a slot while its rival is served elsewhere
     longest_wait: tuple[str, float] | None = None
+    handed_back: int = 0  # requests a worker handed back and the router sent elsewhere (worker/scheduling/handback.py)
 
     def where(self) -> str:
         """Where the max difference builds up, in words (empty without a witness)."""
@@ -123,7 +124,7 @@ def _skew_row(label: str, res: PoolResult) -> SkewRow:
     whole = compute_metrics(res.log, res.cost, window=(0.0, t1))
     late = compute_metrics(res.log, res.cost, window=(t1 / 2, t1))
     return SkewRow(label, whole.max_pair_diff_units, whole.jain, late.max_pair_diff_units, late.jain, res.spills,
-                   res.hit_rate, whole.max_pair_witness, _longest_wait(res, whole.max_pair_witness))
+                   res.hit_rate, whole.max_pair_witness, _longest_wait(res, whole.max_pair_witness), res.handed_back)
 
 
 def _longest_wait(res: PoolResult, witness) -> tuple[str, float] | None:
@@ -242,7 +243,8 @@ def lines(pb: PoolBench) -> list[str]:
         out.append("  " + side_by_side(pb))
         for r in pb.skew.values():
             out.append(f"  {r.label:<36} max weighted diff {r.diff:9.0f} units  Jain {r.jain:.3f}  "
-                       f"(second half {r.diff_late:.0f} / {r.jain_late:.3f})  spills {r.spills}"
+                       f"(second half {r.diff_late:.0f} / {r.jain_late:.3f})  spills {r.spills}  "
+                       f"hand-backs {r.handed_back}"
                        + (f"  [{r.where()}]" if r.witness else ""))
     return out + checks(pb)
 
@@ -255,7 +257,9 @@ def section(pb: PoolBench) -> list[str]:
            "gateway runs), on one virtual time line (`loadtests/sim/pool.py`). With `fair` routing the workers order by "
            "pool-wide counters exchanged every 0.1 s of virtual time (`worker/scheduling/pool.py`) and the router "
            "spills a tenant queued at its affine worker to spare capacity or to where its pool-wide counter puts "
-           "it first in line; `prefix` and `least-loaded` run each worker's own VTC. "
+           "it first in line, and a worker hands back a queued request it never admitted and has no room for "
+           "(after 0.5 s, when the board shows a worker likely to start it sooner: `worker/scheduling/handback.py`), "
+           "which the router sends elsewhere; `prefix` and `least-loaded` run each worker's own VTC. "
            "The single-worker reference is one worker N times as fast with N times the KV pool (the same total "
            "capacity and KV).", "",
            f"### Locality: {w.name} at {pb.load:.0%} load", "",
@@ -279,22 +283,20 @@ def section(pb: PoolBench) -> list[str]:
                 + f"; {sw.duration_s:g} s; rate scale {pb.skew_scale:.4f}. Max diff = pool-wide max weighted service "
                 "difference over co-backlogged intervals (a tenant is backlogged while any of its requests, on any "
                 "worker, is queued or prefilling).", ""]
-        head = ["run", "max diff (units)", "Jain", "max diff, 2nd half", "Jain, 2nd half", "spills", "hit rate",
-                "where the max diff builds up"]
+        head = ["run", "max diff (units)", "Jain", "max diff, 2nd half", "Jain, 2nd half", "spills", "hand-backs",
+                "hit rate", "where the max diff builds up"]
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for r in pb.skew.values():
             out.append(f"| {r.label} | {r.diff:,.0f} | {r.jain:.3f} | {r.diff_late:,.0f} | {r.jain_late:.3f} | "
-                       f"{r.spills} | {r.hit_rate:.3f} | {r.where()} |")
+                       f"{r.spills} | {r.handed_back} | {r.hit_rate:.3f} | {r.where()} |")
     out += ["", "```", side_by_side(pb), *checks(pb), "```", "",
-            "What is left of the difference under `fair` builds up when the batches fill (the \"where\" column): "
+            "What is left of the difference under `fair` comes from the batches filling (the \"where\" column): "
             "while they fill nobody queues, so each tenant holds slots in proportion to its arrivals (a tenant alone "
             "on a worker holds that whole worker), and those slots turn over only as their long decodes finish "
             "(N workers hold N times the running requests of one, so this takes N times as long as on one worker "
-            "with the pool's capacity). The difference itself comes from a request of a tenant homed on the crowded "
-            "worker that is routed there once it is full (the board says nobody queues there) and then waits "
-            "seconds for a slot, keeping its tenant backlogged, while the tenants alone on their workers are "
-            "served: a queued request stays on its worker. See docs/architecture.md, \"What fair means across a "
-            "pool\".", ""]
+            "with the pool's capacity); the pool-wide counters then make the tenants that led give way, and "
+            "hand-back moves the queued requests of the tenants owed service to where they are first in line. "
+            "See docs/architecture.md, \"What fair means across a pool\".", ""]
     return out
 
 

@@ -8,7 +8,11 @@ the requests it sent there and that have not finished). With pool counters on (`
 ``pool_counters=True``) every ``board_interval_s`` of virtual time each worker publishes its report
 (`Engine.pool_report`, the same call `worker.pool_service.PoolService` makes) to an in-memory board
 and takes the others' (`Engine.pool_apply`), and the router reads the board: the staleness of the
-real pool, modelled.
+real pool, modelled. With hand-back on (``fair`` routing, or ``hand_back=True``) a request the
+worker's hand-back rule gives back (`worker.scheduling.handback`, asked by the engine every
+iteration) is re-routed at that virtual time by the same routing policy over the other workers, as
+the gateway does (at most once: the re-routed request may not be handed back again); the event log
+keeps its first arrival, so its queue time counts from there.
 
 The event loop (discrete events in time order): a board tick, then an arrival (routed at its
 arrival time; a worker that sat idle is brought to that time), then the step of the busy worker
@@ -30,7 +34,7 @@ from gateway.routing_policy import PoolBoard, RouteRequest, RoutingPolicy, make_
 from fairshare.workloads import Workload
 from worker.cache.radix import PrefixHits
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.sequence import SamplingParams
+from worker.engine.sequence import FinishReason, SamplingParams
 from worker.scheduling.metrics import EventLog
 from loadtests.sim.driver import engine_config, estimate_capacity_rps, synthetic_prompt
 from loadtests.sim.runner import IterationTimeModel, SimModel, SimulatedRunner, VirtualClock
@@ -64,7 +68,7 @@ class SimWorker:
 class PoolResult:
     """One pool run. prefix_hits: prompt tokens looked up / served from the prefix cache, over the
     requests that finished (pool-wide; per worker in `workers`). spills: requests the fair policy
-    sent beyond their affine worker."""
+    sent beyond their affine worker (re-routes after a hand-back included)."""
 
     workload: Workload
     policy: str
@@ -81,6 +85,7 @@ class PoolResult:
     finished: int = 0
     spills: int = 0
     routed: dict[str, int] = field(default_factory=dict)  # worker id -> requests routed there
+    handed_back: int = 0  # requests a worker handed back and the router sent elsewhere
 
     @property
     def window(self) -> tuple[float, float]:
@@ -126,14 +131,16 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
              routing: str | RoutingPolicy = "prefix", seed: int = 0, rate_scale: float = 1.0,
              drain_s: float | None = None, pool_counters: bool | None = None,
              board_interval_s: float = BOARD_INTERVAL_S, routing_options: dict | None = None,
-             keep_token_times: bool = False, **engine_overrides) -> PoolResult:
+             keep_token_times: bool = False, hand_back: bool | None = None, **engine_overrides) -> PoolResult:
     """Simulate `workload` (a `Workload` or `SharedPrefixWorkload`) on `workers` simulated workers
     running `policy`, routed by `routing` (a `gateway.routing_policy` name or policy).
 
     pool_counters: workers order by pool-wide counters through the board (default: on for ``fair``
     routing only). drain_s: seconds after the arrivals end that the run may continue (default: the
     workload's duration; math.inf: until every request finished). routing_options: options of
-    `make_routing`. engine_overrides: EngineConfig fields of every worker. Returns a `PoolResult`.
+    `make_routing`. hand_back: workers may hand back queued, never-admitted requests to be re-routed
+    (module docstring; default: on for ``fair`` routing only, and only with more than one worker).
+    engine_overrides: EngineConfig fields of every worker. Returns a `PoolResult`.
     Raises ValueError for bad arguments or a request the engine refuses.
     """
     if workers < 1:
@@ -142,6 +149,7 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
     config = engine_config(policy, base, **engine_overrides)
     name = routing if isinstance(routing, str) else routing.name
     pool_on = (name == "fair") if pool_counters is None else bool(pool_counters)
+    hand_back_on = ((name == "fair") if hand_back is None else bool(hand_back)) and workers > 1
     board = PoolBoard()
     router = make_routing(routing, board=lambda: board, **(routing_options or {})) if isinstance(routing, str) \
         else routing
@@ -156,18 +164,42 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
     result = PoolResult(workload, policy, name, router, pool, config, time_model, log, 0.0, 0, pool_on)
     next_tick = 0.0 if (pool_on or name == "fair") else math.inf
     i = 0
+    handed: list[tuple[float, int, object, list[int], SimWorker]] = []  # (time, seq, spec, prompt, from): re-routes due
 
-    def finisher(w: SimWorker, cost: int, prompt_len: int):
+    def finisher(w: SimWorker, cost: int, prompt_len: int, spec, prompt):
         def on_output(out) -> None:
             if out.finish_reason is None:
                 return
             w.inflight_tokens -= cost
+            if out.finish_reason is FinishReason.HANDED_BACK:
+                handed.append((w.clock(), len(handed), spec, prompt, w))
+                return
             w.prefix_hits.add(prompt_len, out.cached_tokens)
             result.prefix_hits.add(prompt_len, out.cached_tokens)
             result.finished += 1
         return on_output
 
+    def place(w: SimWorker, spec, prompt: list[int], at: float, may_hand_back: bool) -> None:
+        cost = len(prompt) + spec.output_tokens
+        result.routed[w.route_id] = result.routed.get(w.route_id, 0) + 1
+        w.clock.advance_to(at)
+        w.inflight_tokens += cost
+        w.requests += 1
+        w.engine.add_request(spec.request_id, spec.tenant_id, prompt,
+                             SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True),
+                             finisher(w, cost, len(prompt), spec, prompt), weight=spec.weight, arrival_time=at,
+                             may_hand_back=may_hand_back)
+        w.busy = True
+
     while True:
+        if handed:  # re-route what was handed back, at the time it was handed back, before anything later
+            handed.sort(key=lambda h: (h[0], h[1]))
+            at, _, spec, prompt, src = handed.pop(0)
+            req = RouteRequest(spec.tenant_id, spec.tenant_id + "\x00", prompt, len(prompt) + spec.output_tokens,
+                               handed_back=1)
+            place(router.choose(req, [x for x in pool if x is not src]), spec, prompt, at, False)  # MAX_HAND_BACKS: once
+            result.handed_back += 1
+            continue
         t_arr = items[i][0].arrival_s if i < len(items) else math.inf
         busy = [w for w in pool if w.busy]
         t_step = min((w.clock() for w in busy), default=math.inf)
@@ -188,17 +220,8 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
         if t_arr <= t_step:
             spec, prompt = items[i]
             i += 1
-            cost = len(prompt) + spec.output_tokens
-            req = RouteRequest(spec.tenant_id, spec.tenant_id + "\x00", prompt, cost)
-            w = router.choose(req, pool)
-            result.routed[w.route_id] = result.routed.get(w.route_id, 0) + 1
-            w.clock.advance_to(spec.arrival_s)
-            w.inflight_tokens += cost
-            w.requests += 1
-            w.engine.add_request(spec.request_id, spec.tenant_id, prompt,
-                                 SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True),
-                                 finisher(w, cost, len(prompt)), weight=spec.weight, arrival_time=spec.arrival_s)
-            w.busy = True
+            req = RouteRequest(spec.tenant_id, spec.tenant_id + "\x00", prompt, len(prompt) + spec.output_tokens)
+            place(router.choose(req, pool), spec, prompt, spec.arrival_s, hand_back_on)
             continue
         w = min(busy, key=lambda x: (x.clock(), x.index))
         if w.engine.step():

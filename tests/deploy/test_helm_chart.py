@@ -645,3 +645,17 @@ def test_keys_created_with_the_cli_authenticate_through_the_rendered_chart(helm,
     assert sorted(directory.tenants()) == ["acme", "globex", "nightly"]
     with pytest.raises(Exception):
         directory.authenticate("Bearer sk-fs-not-a-key")
+
+
+def test_hand_back_value_becomes_the_worker_flag_the_worker_accepts(helm):
+    """worker.handBackAfterS reaches the reference worker as --hand-back-after-s (default 0.5; 0: off),
+    parsed by the worker's own parser; a negative value is refused by the schema."""
+    from worker.cli import build_parser
+
+    parser = build_parser()
+    args = container(one(helm.render(), "StatefulSet", "worker"), "worker")["args"]
+    assert parser.parse_args(args).hand_back_after_s == 0.5
+    args = container(one(helm.render(sets=("worker.handBackAfterS=0",)), "StatefulSet", "worker"), "worker")["args"]
+    assert parser.parse_args(args).hand_back_after_s == 0.0
+    res = helm.template(sets=("worker.handBackAfterS=-1",))
+    assert res.returncode != 0 and "handBackAfterS" in res.stderr

@@ -137,6 +137,30 @@ def test_generate_request_carries_gateway_derived_identity(gateway_factory, prox
     assert b.tenant.id == "route-b" and b.tenant.tier == pb.TIER_BACKGROUND and b.tenant.weight == 0.5
     assert b.tenant.cache_namespace == ""  # workers derive namespaces themselves (worker/cache/namespace.py)
     assert len({a1.request_id, a2.request_id, b.request_id}) == 3
+    assert not any(q.may_hand_back for q in (a1, a2, b))  # one worker: nowhere to hand a request back to
+
+
+def test_a_request_may_be_handed_back_only_while_another_worker_could_take_it(gateway_factory, proxies):
+    """GenerateRequest.may_hand_back (worker/scheduling/handback.py): set while a worker besides the
+    chosen one serves the model; on the retry after the other failed, nothing is left to hand it to."""
+    one, two = proxies("record"), proxies("record")
+    gw = gateway_factory([{"id": "may-hb"}], workers=[one.addr, two.addr], health_interval_s=30.0,
+                         routing="least-loaded")
+    client = gw.client("may-hb")
+    for _ in range(2):
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    sent = one.requests + two.requests
+    assert len(sent) == 2 and all(q.may_hand_back for q in sent)
+    bad, good = proxies("unavailable"), proxies("record")
+    gw = gateway_factory([{"id": "may-hb-retry"}], workers=[bad.addr, good.addr], health_interval_s=30.0,
+                         routing="least-loaded")
+    client = gw.client("may-hb-retry")
+    for _ in range(2):  # least-loaded breaks ties in turn: the failing worker is picked first once
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+    assert bad.requests, "the failing worker was never picked"
+    assert bad.requests[0].may_hand_back  # the good worker was still there to take it
+    retried = [q for q in good.requests if q.request_id.endswith(".r1")]
+    assert retried and not retried[0].may_hand_back  # the failed worker is out: no other worker is left
 
 
 def test_tenant_a_key_is_never_charged_to_b(gateway_factory, worker_addr):

@@ -164,6 +164,32 @@ def test_fair_sends_a_lagging_tenant_where_it_is_first_in_line():
     assert fair.choose(r, ws) is home
 
 
+def test_fair_sends_a_handed_back_request_where_nobody_queues_else_where_it_is_first_in_line():
+    """A request a worker handed back (worker/scheduling/handback.py; that worker is left out of the
+    candidates by the gateway): to the least-loaded worker where nobody of its tier queues, else to
+    where it is first in line, else routed as any request; other policies ignore the count."""
+    ws = [W(f"w{i}", 40_000) for i in range(3)]
+    x, y, z = ws
+    back = RouteRequest("a", "a\x00", [1, 2, 3, 4], 512, handed_back=1)
+    rows = {x.route_id: {"b": (900.0, True, 30)}, y.route_id: {"c": (2000.0, True, 30)},
+            z.route_id: {"d": (50.0, True, 30)}}
+    rows_with_a = {w: dict(ts) for w, ts in rows.items()}
+    fair = FairRouting(lambda: board_of(rows))
+    for ts in rows.values():
+        ts["a"] = (1000.0, False, 0)
+    assert fair.choose(back, ws) is y  # everyone queues; a is first in line at y only (2000 > 1000)
+    rows[z.route_id] = {"d": (50.0, False, 30), "a": (1000.0, False, 0)}  # nobody queues at z now
+    z.load = 45_000
+    assert fair.choose(back, ws) is z  # spare beats first in line, heavier or not
+    x.load = 10_000
+    rows[x.route_id] = {"b": (900.0, False, 30)}
+    assert fair.choose(back, ws) is x  # the least-loaded spare worker
+    assert fair.spills == 3
+    assert FairRouting(lambda: board_of(rows_with_a)).handed_back_target(
+        RouteRequest("a", "a\x00", [1], 512, handed_back=1), [x, z], board_of(rows_with_a)) is None
+    assert PrefixAffinity().choose(back, ws) is PrefixAffinity().choose(req("a", cost=512), ws)
+
+
 def test_make_routing_names_and_errors():
     assert make_routing("least-loaded").name == "least-loaded"
     assert make_routing("prefix", spill_units=5, prefix_tokens=8).prefix_tokens == 8

@@ -39,6 +39,8 @@ BAD_FLAGS = [
     (["--lower-tier-token-target", "x"], "argument --lower-tier-token-target: 'x' is not an integer"),
     (["--lower-tier-grace-iterations", "-1"], "argument --lower-tier-grace-iterations: -1 is not >= 0"),
     (["--lower-tier-idle-token-target", "0"], "argument --lower-tier-idle-token-target: 0 is not > 0"),
+    (["--hand-back-after-s", "-1"], "argument --hand-back-after-s: -1 is not in [0, 3600) seconds"),
+    (["--hand-back-after-s", "soon"], "argument --hand-back-after-s: 'soon' is not a number"),
 ]
 
 

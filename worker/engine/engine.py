@@ -37,6 +37,7 @@ from worker.faults import DEFAULT_FAULT_LIMIT, DEFAULT_FAULT_WINDOW_S, FaultWind
 from worker.scheduling.cost import QuadraticFit, make_cost
 from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
                                              DEFAULT_TIER_GRACE_ITERATIONS)
+from worker.scheduling.handback import DEFAULT_HAND_BACK_AFTER_S, HandBackRule
 from worker.scheduling.policy import make_policy
 from worker.scheduling.pool import PoolCounters
 from worker.scheduling.tiers import TierShares
@@ -83,6 +84,9 @@ class EngineConfig:
     fraction of the prompt-token rate charged per cached prompt token. See docs/cache-isolation.md.
     fault_limit / fault_window_s: engine steps that raise this many times in a row within this many
     seconds fail the engine (worker/faults.py; docs/reliability.md).
+    hand_back_after_s: seconds a never-admitted request the gateway lets go (`add_request`'s
+    may_hand_back) waits while this worker has no room before it is handed back to be re-routed
+    (0: never; worker/scheduling/handback.py).
     """
 
     policy: str = "vtc"
@@ -120,6 +124,7 @@ class EngineConfig:
     cache_secret: bytes | None = None
     fault_limit: int = DEFAULT_FAULT_LIMIT
     fault_window_s: float = DEFAULT_FAULT_WINDOW_S
+    hand_back_after_s: float = DEFAULT_HAND_BACK_AFTER_S
 
 
 @dataclass(frozen=True)
@@ -227,6 +232,7 @@ class Engine:
                                    tier_grace_iterations=cfg.tier_grace_iterations,
                                    lower_tier_idle_token_target=cfg.lower_tier_idle_token_target)
         self.pool = PoolCounters()  # pool-wide counters; inert until another worker's report arrives
+        self.hand_back_rule = HandBackRule(cfg.hand_back_after_s)
         self._returns_token_ids = bool(getattr(runner, "returns_token_ids", False))
         self._item_class = getattr(runner, "item_class", None)
         pool_tokens = runner.num_kv_blocks * runner.block_size
@@ -263,12 +269,16 @@ class Engine:
     # ---- thread-safe entry points -------------------------------------------------------------
     def add_request(self, request_id: str, tenant_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     on_output: OutputCallback, weight: float = 1.0, tier: str = "interactive",
-                    cache_namespace: str = "", arrival_time: float | None = None, cache_salt: str = "") -> None:
+                    cache_namespace: str = "", arrival_time: float | None = None, cache_salt: str = "",
+                    may_hand_back: bool = False) -> None:
         """Queue a request. arrival_time: when it arrived, on the engine's clock (default: now).
         cache_salt: the client's salt, splitting the tenant's prefix-cache namespace. The namespace
         is derived here from the tenant id and the salt under the engine's secret
         (`worker.cache.namespace.derive_namespace`); `cache_namespace`, when given, replaces it
         (trusted in-process callers only, e.g. experiments; servers never pass client input there).
+        may_hand_back: while never admitted it may be handed back (`EngineConfig.hand_back_after_s`):
+        its output then ends, before any token, with `FinishReason.HANDED_BACK` and its caller
+        routes it elsewhere (the gateway sets it only when another worker exists).
         Raises ValueError when it can never run (empty or too long prompt, bad sampling values,
         token ids outside the vocabulary, duplicate id), EngineFailed once the engine has failed."""
         if self.faults.tripped:
@@ -292,7 +302,8 @@ class Engine:
         max_tokens = room if sampling.max_tokens is None else min(sampling.max_tokens, room)
         seq = Sequence(request_id=request_id, tenant_id=tenant_id, prompt_token_ids=list(prompt_token_ids),
                        sampling=sampling, weight=weight, tier=tier, cache_namespace=cache_namespace,
-                       max_tokens=max_tokens, arrival_time=self.clock() if arrival_time is None else arrival_time)
+                       max_tokens=max_tokens, arrival_time=self.clock() if arrival_time is None else arrival_time,
+                       may_hand_back=bool(may_hand_back))
         with self._lock:
             if request_id in self._callbacks:
                 raise ValueError(f"duplicate request id {request_id!r}")
@@ -400,6 +411,8 @@ class Engine:
             self._drain_inbox()
             started = self.clock()
             chunks = self.scheduler.schedule()
+            if self.hand_back_rule.enabled:
+                self._hand_back()
             if not chunks:
                 return False
         self._recorded = False
@@ -651,6 +664,21 @@ class Engine:
             self.recorder.on_finish(seq.request_id, seq.finish_time, reason.value)
         self._emit(seq, final=True, error=error)
 
+    # ---- hand-back (worker/scheduling/handback.py) --------------------------------------------------
+    def _hand_back(self) -> None:
+        """Hand back what the rule picks this iteration: each request's output ends before any token
+        with `FinishReason.HANDED_BACK` (not recorded as finished: it goes on elsewhere)."""
+        pool = self.pool
+        room = None
+        if pool.workers:
+            accounts = self.policy.accounts
+
+            def room(tenant_id: str, tier: str) -> bool:
+                acct = accounts.get(tenant_id)
+                return pool.room_elsewhere(tenant_id, tier, acct.virtual_counter if acct is not None else 0.0)
+        for seq in self.scheduler.hand_back(self.hand_back_rule, room):
+            self._emit(seq, final=True)
+
     # ---- the pool (worker/scheduling/pool.py) -------------------------------------------------------
     def pool_report(self) -> dict:
         """What this worker publishes to the pool board, per tenant: (charged service units, weight,
@@ -716,6 +744,7 @@ class Engine:
                 "finished": self.scheduler.finished_by_tenant.get(tid, 0),
                 "preemptions": self.scheduler.preemptions_by_tenant.get(tid, 0),
                 "quota_waits": self.scheduler.quota_waits.get(tid, 0),
+                "handed_back": self.scheduler.handed_back_by_tenant.get(tid, 0),
                 "backlogged": acct.backlogged,
             })
             if self.quota is not None:

@@ -30,6 +30,7 @@ from worker.scheduling.core import OUT_OF_BLOCKS, SchedulingCore
 from worker.scheduling.cost import CostFunction
 from worker.scheduling.decode_share import (DEFAULT_LOWER_TIER_IDLE_TOKEN_TARGET, DEFAULT_LOWER_TIER_TOKEN_TARGET,
                                              DEFAULT_TIER_GRACE_ITERATIONS)
+from worker.scheduling.handback import HandBackRule
 from worker.scheduling.policy import SchedulingPolicy
 from worker.scheduling.quota import KVQuota
 from worker.scheduling.tiers import TierShares
@@ -86,6 +87,7 @@ class Scheduler:
         self.blocks = block_manager
         self.clock = clock
         self.by_id: dict[str, Sequence] = {}
+        self._may_hand_back: set[str] = set()  # waiting, never admitted, and the gateway lets them be handed back
         self.core = SchedulingCore(policy, cost, self, total_blocks=block_manager.num_blocks,
                                    max_running=max_running, chunk_tokens=max_num_batched_tokens,
                                    prefill_slice=prefill_slice, max_skips=max_skips, quota=quota,
@@ -168,6 +170,10 @@ class Scheduler:
         return self.core.stats.finished_by_tenant
 
     @property
+    def handed_back_by_tenant(self) -> dict[str, int]:
+        return self.core.stats.handed_back_by_tenant
+
+    @property
     def quota_waits(self) -> dict[str, int]:
         return self.core.stats.quota_waits
 
@@ -187,6 +193,8 @@ class Scheduler:
         self.core.add(seq.request_id, seq.tenant_id, seq, weight=seq.weight, tier=seq.tier,
                       arrival=seq.arrival_time, prompt_tokens=len(seq.prompt_token_ids), max_tokens=seq.max_tokens)
         self.by_id[seq.request_id] = seq
+        if seq.may_hand_back:
+            self._may_hand_back.add(seq.request_id)
 
     def has_work(self) -> bool:
         return bool(self.core.running) or self.core.num_waiting() > 0
@@ -204,7 +212,28 @@ class Scheduler:
         seq.finish_time = self.clock()
         self.blocks.free(seq)
         self.by_id.pop(seq.request_id, None)
+        self._may_hand_back.discard(seq.request_id)
         self.core.finish(seq.request_id, len(seq.prompt_token_ids), len(seq.output_token_ids))
+
+    def hand_back(self, rule: HandBackRule, room_elsewhere=None) -> list[Sequence]:
+        """The waiting, never-admitted sequences `rule` hands back now (`worker.scheduling.handback`;
+        only those whose `may_hand_back` the gateway set), removed from the core (no block was held,
+        nothing was charged) and marked finished with `FinishReason.HANDED_BACK`. room_elsewhere:
+        (tenant id, tier) -> bool from the pool board, or None (no board read)."""
+        out = []
+        if not self._may_hand_back:  # (a lone worker's requests never may: the rule costs nothing there)
+            return out
+        for e in rule.choose(self.core, self.clock(), lambda seq: seq.may_hand_back, room_elsewhere):
+            seq = e.handle
+            self.core.hand_back(seq.request_id)
+            self.blocks.free(seq)  # nothing held (never admitted); kept for the invariant
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = FinishReason.HANDED_BACK
+            seq.finish_time = self.clock()
+            self.by_id.pop(seq.request_id, None)
+            self._may_hand_back.discard(seq.request_id)
+            out.append(seq)
+        return out
 
     def prefill_backlog(self) -> dict[str, int]:
         """Per tenant with pending prefill: prompt-side tokens not computed yet (waiting requests
@@ -308,6 +337,7 @@ class Scheduler:
         self.blocks.attach_prefix(seq)
         seq.status = SequenceStatus.RUNNING
         seq.admitted_order = order
+        self._may_hand_back.discard(seq.request_id)  # admitted once: never handed back
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = self.clock()
             seq.first_scheduled_iteration = self.core.iteration

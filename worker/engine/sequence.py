@@ -17,6 +17,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"       # EOS, a stop token id or a stop string
     LENGTH = "length"   # max_tokens reached or the context is full
     ABORT = "abort"     # cancelled by the client, the gateway or shutdown
+    HANDED_BACK = "handed_back"  # never admitted: given back to the gateway to re-route (worker/scheduling/handback.py)
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -108,6 +109,7 @@ class Sequence:
     generator: object | None = None
     constraint: object | None = None      # grammar state (worker/engine/grammar.Constraint) when constrained
     output_logprobs: list = field(default_factory=list)  # (token, logprob, top) per output token, when asked
+    may_hand_back: bool = False           # the gateway lets this worker hand it back before admission
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -152,14 +152,15 @@ class TenantState:
 
 @dataclass
 class CoreStats:
-    """Counters: iterations, preemptions by reason and by tenant, finished and quota waits by
-    tenant, skips counted against the tier order, blocked iterations per tier (in `TierShares`)."""
+    """Counters: iterations, preemptions by reason and by tenant, finished, quota waits and
+    hand-backs by tenant, skips counted against the tier order, blocked iterations per tier (in `TierShares`)."""
 
     iterations: int = 0
     preemptions: dict = field(default_factory=lambda: {r: 0 for r in REASONS})
     preemptions_by_tenant: dict = field(default_factory=dict)
     finished_by_tenant: dict = field(default_factory=dict)
     quota_waits: dict = field(default_factory=dict)
+    handed_back_by_tenant: dict = field(default_factory=dict)  # never-admitted requests given back to be re-routed
 
 
 class SchedulingCore:
@@ -274,6 +275,19 @@ class SchedulingCore:
     def finish(self, request_id: str, prompt_tokens: int = 0, output_tokens: int = 0) -> Entry | None:
         """A request ended (any reason, abort included); the executor frees its blocks. What it
         consumed stays charged. Returns its entry (None when unknown)."""
+        return self._drop_entry(request_id, prompt_tokens, output_tokens, self.stats.finished_by_tenant)
+
+    def hand_back(self, request_id: str) -> Entry | None:
+        """A waiting, never-admitted request leaves this worker to be re-routed
+        (`worker.scheduling.handback`): removed like an abort before admission (nothing was charged,
+        no block is held), counted in `stats.handed_back_by_tenant`, not as finished. Returns its
+        entry (None when unknown). Raises ValueError for a request that was admitted."""
+        e = self.entries.get(request_id)
+        if e is not None and (e.running or e.admitted_once):
+            raise ValueError(f"request {request_id!r} was admitted: only a never-admitted request is handed back")
+        return self._drop_entry(request_id, 0, 0, self.stats.handed_back_by_tenant)
+
+    def _drop_entry(self, request_id: str, prompt_tokens: int, output_tokens: int, count: dict) -> Entry | None:
         e = self.entries.pop(request_id, None)
         if e is None:
             return None
@@ -284,7 +298,7 @@ class SchedulingCore:
             _remove(ts.waiting, e)
             self._waiting -= 1
             self.gate.on_drop(ts.tenant_id, request_id)
-        self.stats.finished_by_tenant[ts.tenant_id] = self.stats.finished_by_tenant.get(ts.tenant_id, 0) + 1
+        count[ts.tenant_id] = count.get(ts.tenant_id, 0) + 1
         self.policy.on_request_finish(ts.tenant_id, request_id, prompt_tokens, output_tokens)
         if not self._has_pending(ts):
             self._set_idle(ts)

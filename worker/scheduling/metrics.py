@@ -75,6 +75,8 @@ class EventLog:
 
     def on_arrival(self, request_id: str, tenant_id: str, weight: float, t: float, prompt_tokens: int,
                    max_tokens: int) -> None:
+        if request_id in self.requests:  # handed back and re-routed (worker/scheduling/handback.py): one request
+            return
         self.requests[request_id] = RequestRecord(request_id, tenant_id, weight, t, prompt_tokens, max_tokens)
         self.weights[tenant_id] = weight
 

@@ -69,6 +69,7 @@ class PoolCounters:
         self.backlogged_elsewhere: set[str] = set()
         self.workers = 0  # other workers in the last read
         self.reads = 0
+        self.boards: dict[str, dict] = {}  # other worker id -> its last report's tenants (last read only)
 
     def reduce(self, reports) -> PoolInputs:
         """Turn a read of the board into `PoolInputs` (and remember what was seen)."""
@@ -94,6 +95,7 @@ class PoolCounters:
         for tid, units in out.increments.items():
             self.elsewhere[tid] = self.elsewhere.get(tid, 0.0) + units
         self.backlogged_elsewhere = set(out.backlogged)
+        self.boards = {r.worker_id: r.tenants for r in reports}
         self.workers = len(reports)
         self.reads += 1
         return out
@@ -104,6 +106,22 @@ class PoolCounters:
         inputs = self.reduce(reports)
         policy.apply_pool(inputs)
         return inputs
+
+    def room_elsewhere(self, tenant_id: str, tier: str, counter: float) -> bool:
+        """Whether, by the last read, some other worker is likely to serve a request of `tenant_id`
+        (`tier`, pool-wide counter `counter`) sooner than a full worker: one where no tenant of that
+        tier is backlogged (nobody queues: free slots), or where the tenant is not backlogged and
+        every backlogged same-tier tenant's counter is above `counter` (it would be first in line).
+        The hand-back rule's view of the board (`worker.scheduling.handback`); False before any
+        other worker's report was read."""
+        for tenants in self.boards.values():
+            queued = [t.counter for t in tenants.values() if t.backlogged and str(t.tier) == tier]
+            if not queued:
+                return True
+            mine = tenants.get(tenant_id)
+            if (mine is None or not mine.backlogged) and min(queued) > counter:
+                return True
+        return False
 
     @staticmethod
     def report(policy, running: dict[str, int] | None = None) -> dict[str, tuple]:
