@@ -34,6 +34,7 @@ PASS_THROUGH: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("--lower-tier-token-target", (WORKER,)),
     ("--lower-tier-grace-iterations", (WORKER,)),
     ("--lower-tier-idle-token-target", (WORKER,)),
+    ("--hand-back-after-s", (WORKER,)),  # (a pool: fairshare up --workers N)
     ("--max-running", (WORKER,)),
     ("--max-num-batched-tokens", (WORKER,)),
     ("--alpha", (WORKER,)),
