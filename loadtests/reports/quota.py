@@ -44,7 +44,7 @@ def tenant_rows(res) -> dict[str, dict]:
         row["served"] = len(xs)
         row["ttft_mean"] = statistics.fmean(xs) if xs else float("nan")
         row["ttft_p90"] = percentile(xs, 90)
-        row["preemptions"] = res.engine.scheduler.preemptions_by_tenant.get(tenant, 0)
+        row["preemptions"] = res.engine.scheduler.core.stats.preemptions_by_tenant.get(tenant, 0)
         del row["ttft"]
     return rows
 

@@ -69,7 +69,7 @@ def test_a_full_worker_hands_back_what_waited_long_enough_oldest_first_bounded_p
     assert [s.request_id for s in sched.waiting["a"]] == [waiting[2].request_id]
     assert bm.num_used == used  # they held nothing
     assert sched.policy.accounts["a"].charged_service == 0
-    assert sched.handed_back_by_tenant == {"a": 2} and "a" not in sched.finished_by_tenant
+    assert sched.core.stats.handed_back_by_tenant == {"a": 2} and "a" not in sched.core.stats.finished_by_tenant
     clock.t = 3.0
     assert sched.hand_back(rule) == [waiting[2]]
     assert not sched.policy.accounts["a"].backlogged  # nothing of it is left here

@@ -60,9 +60,9 @@ def flood_run(quota: bool):
 def test_flood_cannot_push_out_within_quota_tenant():
     sched, bm, q, victims = flood_run(quota=True)
     assert all(v.num_preemptions == 0 for v in victims)
-    assert sched.preemptions_by_tenant.get("victim", 0) == 0
+    assert sched.core.stats.preemptions_by_tenant.get("victim", 0) == 0
     # pressure was real: the flood was preempted or kept waiting on its quota
-    assert sched.preemptions_by_tenant.get("flood", 0) > 0 or sched.quota_waits.get("flood", 0) > 0
+    assert sched.core.stats.preemptions_by_tenant.get("flood", 0) > 0 or sched.core.stats.quota_waits.get("flood", 0) > 0
     for tenant, held, over in sched.preempt_log:
         assert tenant in over and q.over_soft(tenant, held)  # every victim is over its soft quota
     while sched.has_work():
@@ -104,7 +104,7 @@ def test_reclaim_admits_within_quota_head_by_preempting_over_quota():
     sched.add(v)
     step(sched)
     assert v.status is SequenceStatus.RUNNING or v.is_finished
-    assert sched.reclaim_preemptions >= 1 and sched.preemptions_by_tenant.get("victim", 0) == 0
+    assert sched.reclaim_preemptions >= 1 and sched.core.stats.preemptions_by_tenant.get("victim", 0) == 0
     assert floods[-1].num_preemptions == 1 and floods[0].num_preemptions == 0  # latest admitted first
     # preempted requests go back to the front of their tenant's queue, in admission order
     preempted = [f for f in floods if f.num_preemptions]
@@ -120,7 +120,7 @@ def test_over_quota_waits_above_watermark_but_bursts_below():
     step(sched)
     # a bursts past 47 blocks, but not past the 80-block watermark
     assert bm.num_used == 80 and sum(r.status is SequenceStatus.RUNNING for r in reqs) == 4
-    assert sched.quota_waits.get("a", 0) > 0
+    assert sched.core.stats.quota_waits.get("a", 0) > 0
 
 
 def test_hard_cap():

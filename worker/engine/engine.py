@@ -733,6 +733,7 @@ class Engine:
 
     def _snapshot(self) -> dict:
         counts = self.scheduler.tenant_counts()
+        stats = self.scheduler.core.stats  # per-tenant counters (worker/scheduling/core.py, CoreStats)
         tenants = []
         for tid, acct in sorted(self.policy.accounts.items()):
             c = counts.get(tid, {"waiting": 0, "running": 0, "kv_blocks": 0})
@@ -741,10 +742,10 @@ class Engine:
                 "virtual_counter": acct.virtual_counter, "charged_service": acct.charged_service,
                 "prompt_tokens": acct.prompt_tokens, "output_tokens": acct.output_tokens,
                 "waiting": c["waiting"], "running": c["running"], "kv_blocks": c["kv_blocks"],
-                "finished": self.scheduler.finished_by_tenant.get(tid, 0),
-                "preemptions": self.scheduler.preemptions_by_tenant.get(tid, 0),
-                "quota_waits": self.scheduler.quota_waits.get(tid, 0),
-                "handed_back": self.scheduler.handed_back_by_tenant.get(tid, 0),
+                "finished": stats.finished_by_tenant.get(tid, 0),
+                "preemptions": stats.preemptions_by_tenant.get(tid, 0),
+                "quota_waits": stats.quota_waits.get(tid, 0),
+                "handed_back": stats.handed_back_by_tenant.get(tid, 0),
                 "backlogged": acct.backlogged,
             })
             if self.quota is not None:

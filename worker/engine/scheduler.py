@@ -162,22 +162,6 @@ class Scheduler:
         return SchedulerStats(st.iterations, sum(st.preemptions.values()))
 
     @property
-    def preemptions_by_tenant(self) -> dict[str, int]:
-        return self.core.stats.preemptions_by_tenant
-
-    @property
-    def finished_by_tenant(self) -> dict[str, int]:
-        return self.core.stats.finished_by_tenant
-
-    @property
-    def handed_back_by_tenant(self) -> dict[str, int]:
-        return self.core.stats.handed_back_by_tenant
-
-    @property
-    def quota_waits(self) -> dict[str, int]:
-        return self.core.stats.quota_waits
-
-    @property
     def reclaim_preemptions(self) -> int:
         return self.core.stats.preemptions["reclaim"]
 
