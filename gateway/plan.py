@@ -190,11 +190,13 @@ async def read_json_body(request: Request, limit: int, timeout_s: float | None =
 
 def _parse_json_object(text: str) -> dict[str, Any]:
     """`text` as a JSON object whose strings are all valid Unicode. Raises APIError 400."""
-    nested = invalid_request("The JSON body of your request is nested too deeply.", None, "invalid_json")
+    def nested() -> APIError:  # built once the recursion has unwound, only when it is needed
+        return invalid_request("The JSON body of your request is nested too deeply.", None, "invalid_json")
+
     try:
         body = json.loads(text, parse_float=schemas.json_number)
     except RecursionError:
-        raise nested from None
+        raise nested() from None
     except ValueError:
         raise invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
                               "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
@@ -208,7 +210,7 @@ def _parse_json_object(text: str) -> dict[str, Any]:
             raise invalid_request("The request body contains an invalid Unicode escape (a lone surrogate).", None,
                                   "invalid_encoding") from None
         except RecursionError:
-            raise nested from None
+            raise nested() from None
     return body
 
 
