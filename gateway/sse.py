@@ -2,7 +2,9 @@
 
 `SSEResponse` is a StreamingResponse that always closes the body generator and awaits `on_close`
 (settlement) at the end, even when the client vanished before the first byte and the generator
-never ran; a write that fails calls `on_disconnect`. It does not read the connection itself: the
+never ran; a write that fails calls `on_disconnect`. The event that ends with ``data: [DONE]`` ends
+the body in the same write (``more_body`` false: the server adds the chunked terminator to it), not
+in an empty write of its own after it. It does not read the connection itself: the
 request's `gateway.watch.RequestWatch` does (one task per request), and notices a disconnect while
 the stream waits for the worker.
 """
@@ -43,6 +45,16 @@ class SSEResponse(StreamingResponse):
         self._on_disconnect = on_disconnect
         self._on_close = on_close
         self._notified = False
+
+    async def stream_response(self, send: Send) -> None:
+        """Send the headers, then each event as it comes; the one ending with `DONE` is the last."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            if chunk.endswith(DONE):  # JSON events escape newlines: only the end of the stream ends so
+                await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                return
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _gone(self) -> None:
         if not self._notified:

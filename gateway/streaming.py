@@ -1,12 +1,12 @@
 """Streamed answers: the SSE body of a chat or text completion, as OpenAI streams them.
 
 `chat_stream` / `text_stream` give the body of an admitted, started session: keep-alive comments
-until the first token (when the response began before it), the opening chunks, one write per worker
-message (all its tokens), the usage chunk (``stream_options.include_usage``), ``[DONE]``. Stop
-strings are held back by the worker, so text that may still turn out to start a stop string never
-reaches a chunk. A failure after the first token becomes an OpenAI error event. The body settles the
-session in every case, before ``[DONE]`` when it finished (a client that saw ``[DONE]`` sees its lease
-released).
+until the first token (when the response began before it), then one write per worker message (all
+its tokens; the opening chunks go with the first), the usage chunk (``stream_options.include_usage``)
+with ``[DONE]``. Stop strings are held back by the worker, so text that may still turn out to start
+a stop string never reaches a chunk. A failure after the first token becomes an OpenAI error event.
+The body settles the session in every case, before ``[DONE]`` when it finished (a client that saw
+``[DONE]`` sees its lease released).
 """
 
 from __future__ import annotations
@@ -113,9 +113,7 @@ async def _stream(session: Session, opening: list[bytes], body, usage_event) -> 
                 if failed:
                     yield failed
                 return
-        if opening:
-            yield b"".join(opening)
-        async with aclosing(_content(session, body)) as content:
+        async with aclosing(_content(session, body, b"".join(opening))) as content:
             async for b in content:
                 yield b
         if not session.finished:
@@ -143,19 +141,26 @@ def _start_failure(session: Session, start: asyncio.Future) -> bytes | None:
     return None
 
 
-async def _content(session: Session, body) -> AsyncIterator[bytes]:
+async def _content(session: Session, body, opening: bytes = b"") -> AsyncIterator[bytes]:
     """The content chunks of every worker message; an error event when the generation fails (nothing
-    once the client is gone). Sets ``session.finished`` when every choice finished."""
+    once the client is gone). Sets ``session.finished`` when every choice finished.
+
+    opening: the opening chunks, sent in one write with the first message's chunks (that message was
+    read before the response began, so the opening waits for nothing), or before the error event or
+    the end when there is none."""
     try:
         async with aclosing(merged(session)) as messages:
             async for job, msg in messages:
                 chunks = body(job, msg)
+                if opening:
+                    chunks.insert(0, opening)
+                    opening = b""
                 if chunks:
                     yield b"".join(chunks)
         check_finished(session)
     except APIError as e:
         if not session.client_gone:
-            yield event(e.body())
+            yield opening + event(e.body())
         return
     except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
         if session.client_gone:
@@ -163,8 +168,10 @@ async def _content(session: Session, body) -> AsyncIterator[bytes]:
         if isinstance(e, asyncio.CancelledError) and session.stop_reason is None and not any(
                 j.gen is not None and j.gen.call.cancelled() for j in session.jobs):
             raise  # we are being cancelled ourselves
-        yield event(stream_failure(session, e).body())
+        yield opening + event(stream_failure(session, e).body())
         return
+    if opening:
+        yield opening
     session.finished = True
 
 
