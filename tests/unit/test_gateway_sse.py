@@ -99,6 +99,18 @@ async def test_the_response_leaves_the_connection_to_the_request_watch():
     assert calls == {"gone": 0, "closed": 1, "gen_finally": 1, "started": 1}
 
 
+async def body_writes(gen_factory):
+    """Run a response over `gen_factory`'s body: ([(body, more_body) of each body message], calls)."""
+    resp, calls = make(gen_factory)
+    sent, send = recorder()
+
+    async def receive():
+        raise AssertionError("SSEResponse read the connection")
+
+    await resp(SCOPE, receive, send)
+    return [(m.get("body"), m.get("more_body")) for m in sent[1:]], calls
+
+
 async def test_the_done_event_ends_the_body_in_its_own_write():
     """``[DONE]`` (with the usage chunk before it, as streams send them) is the last body message,
     ``more_body`` false: no empty message after it; the generator is closed and the response settled."""
@@ -106,15 +118,8 @@ async def test_the_done_event_ends_the_body_in_its_own_write():
         yield event({"n": 1})
         yield event({"usage": {}}) + DONE
 
-    resp, calls = make(gen)
-    sent, send = recorder()
-
-    async def receive():
-        raise AssertionError("SSEResponse read the connection")
-
-    await resp(SCOPE, receive, send)
-    assert [(m.get("body"), m.get("more_body")) for m in sent[1:]] == [
-        (b'data: {"n":1}\n\n', True), (b'data: {"usage":{}}\n\n' + DONE, False)]
+    writes, calls = await body_writes(gen)
+    assert writes == [(b'data: {"n":1}\n\n', True), (b'data: {"usage":{}}\n\n' + DONE, False)]
     assert calls == {"gone": 0, "closed": 1, "gen_finally": 1, "started": 1}
 
 
@@ -123,13 +128,6 @@ async def test_a_body_without_done_still_ends_with_an_empty_write():
     async def gen():
         yield event({"error": {"message": "x"}})
 
-    resp, calls = make(gen)
-    sent, send = recorder()
-
-    async def receive():
-        raise AssertionError("SSEResponse read the connection")
-
-    await resp(SCOPE, receive, send)
-    assert [(m.get("body"), m.get("more_body")) for m in sent[1:]] == [
-        (b'data: {"error":{"message":"x"}}\n\n', True), (b"", False)]
+    writes, calls = await body_writes(gen)
+    assert writes == [(b'data: {"error":{"message":"x"}}\n\n', True), (b"", False)]
     assert calls["closed"] == 1 and calls["gen_finally"] == 1
