@@ -26,17 +26,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import httpx
 
 from fairshare import worker_auth
 from fairshare.local_redis import start_redis
-from fairshare.ports import free_port, wait_for_port
+from fairshare.ports import free_port
 from gateway.auth import create_key
-from loadtests.bench.gateway import ECHO_MODEL, EchoServer, _run_load, process_cpu_s
+from loadtests.bench.gateway import (ECHO_MODEL, EchoServer, _run_load, chat_completion, process_cpu_s,
+                                     stop_processes, wait_gateway_ready)
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello how are you today"}]
 
@@ -44,25 +43,19 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 def start_gateway(tree: Path, env: dict, tmp: Path, tenants: Path, worker: str, redis_url: str,
                   cpus: set[int] | None) -> tuple[int, subprocess.Popen]:
     """``fairshare gateway`` from checkout `tree` (its own code first on the path); (port, process)
-    once it answers ``/readyz``. Raises RuntimeError when it does not within 60 s."""
+    once it answers ``/readyz``. Raises RuntimeError when it does not within a minute."""
     port = free_port()
     pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     proc = subprocess.Popen([sys.executable, "-m", "fairshare.cli", "gateway", "--host", "127.0.0.1", "--port",
                              str(port), "--tenants", str(tenants), "--workers", worker, "--redis-url", redis_url,
                              "--log-level", "warning"], cwd=tree, env=dict(env, PYTHONPATH=str(tree)),
                             stdout=subprocess.DEVNULL, stderr=open(tmp / f"gateway-{port}.log", "wb"), preexec_fn=pin)
-    wait_for_port("127.0.0.1", port, 60, proc)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return port, proc
-        except OSError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the gateway from {tree} never became ready (log: {tmp}/gateway-{port}.log)")
+    try:
+        wait_gateway_ready(port, proc)
+    except (RuntimeError, TimeoutError):
+        proc.kill()
+        raise RuntimeError(f"the gateway from {tree} never became ready (log: {tmp}/gateway-{port}.log)") from None
+    return port, proc
 
 
 async def measure(ports: list[tuple[int, subprocess.Popen]], key: str, args, stream: bool) -> list[list[float]]:
@@ -77,22 +70,10 @@ async def measure(ports: list[tuple[int, subprocess.Popen]], key: str, args, str
                                  limits=limits, timeout=60)
 
     def caller(c: httpx.AsyncClient):
-        async def call():
-            if stream:
-                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"gateway answered {r.status_code}")
-                    async for line in r.aiter_lines():
-                        if line == "data: [DONE]":
-                            break
-            else:
-                r = await c.post("/v1/chat/completions", json=body)
-                if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != 16:
-                    raise RuntimeError(f"gateway answered {r.status_code}: {r.text[:200]}")
-        return call
+        return lambda: chat_completion(c, body, 16)
 
     cpu: list[list[float]] = [[] for _ in ports]
-    for i, (port, _) in enumerate(ports):  # warm-up
+    for port, _ in ports:  # warm-up
         async with client(port) as c:
             await _run_load(caller(c), 300, args.concurrency)
     for r in range(args.rounds):
@@ -146,13 +127,7 @@ def main() -> int:
                 print(f"  other / base, paired by round: min {min(ratios):.3f}  median {statistics.median(ratios):.3f}"
                       f"  max {max(ratios):.3f}")
         finally:
-            for proc in reversed(procs):
-                proc.terminate()
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-            echo.stop()
+            stop_processes(procs, echo, wait_s=15.0)
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

@@ -178,6 +178,44 @@ async def _run_load(call, n: int, concurrency: int) -> tuple[list[float], float]
     return lat, time.perf_counter() - t0
 
 
+async def chat_completion(client, body: dict, max_tokens: int) -> None:
+    """One ``POST /v1/chat/completions`` of `body` through `client` (an ``httpx.AsyncClient`` on the
+    gateway): a stream is read to ``data: [DONE]``; a JSON body must count `max_tokens` completion
+    tokens. Raises RuntimeError for an answer other than 200, AssertionError for a short one."""
+    if body.get("stream"):
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"gateway answered {r.status_code}: {await r.aread()!r}")
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    break
+    else:
+        r = await client.post("/v1/chat/completions", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"gateway answered {r.status_code}: {r.text}")
+        assert r.json()["usage"]["completion_tokens"] == max_tokens
+
+
+def wait_gateway_ready(port: int, proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """Wait until the gateway `proc` listens on `port` and answers ``/readyz`` with 200. Raises
+    TimeoutError when nothing listens within `timeout_s` seconds, RuntimeError when `proc` exits
+    first or ``/readyz`` does not answer 200 within `timeout_s` seconds more."""
+    import urllib.request
+
+    wait_for_port("127.0.0.1", port, timeout_s, proc)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("gateway not ready")
+        time.sleep(0.1)
+
+
 async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_addr: str, gateway_pid: int) -> dict:
     """Latency at concurrency 1 and throughput at `args.concurrency` of both paths in one mode."""
     import httpx
@@ -207,19 +245,7 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
     limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
     async with httpx.AsyncClient(base_url=gateway_url, headers=headers, limits=limits, timeout=60) as client:
         async def via_gateway():
-            if stream:
-                async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-                    if r.status_code != 200:
-                        raise RuntimeError(f"gateway answered {r.status_code}: {await r.aread()!r}")
-                    async for line in r.aiter_lines():
-                        if line == "data: [DONE]":
-                            break
-            else:
-                r = await client.post("/v1/chat/completions", json=body)
-                if r.status_code != 200:
-                    raise RuntimeError(f"gateway answered {r.status_code}: {r.text}")
-                usage = r.json()["usage"]
-                assert usage["completion_tokens"] == args.max_tokens
+            await chat_completion(client, body, args.max_tokens)
 
         # warm up both paths
         await _run_load(direct, 50, 4)
@@ -347,20 +373,7 @@ def _run(args, modes: list[str], gw_cpus: set[int] | None) -> dict[str, dict] | 
                               stderr=open(tmp_path / "gateway.log", "wb"), preexec_fn=pin)
         procs.append(gw)
         try:
-            wait_for_port("127.0.0.1", gport, 60, gw)
-            import urllib.request
-
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{gport}/readyz", timeout=2) as r:
-                        if r.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("gateway not ready")
-                time.sleep(0.1)
+            wait_gateway_ready(gport, gw)
             for mode in modes:
                 results[mode] = asyncio.run(_bench_mode(args, mode == "stream", f"http://127.0.0.1:{gport}", key,
                                                         echo.addr, gw.pid))
@@ -371,14 +384,21 @@ def _run(args, modes: list[str], gw_cpus: set[int] | None) -> dict[str, dict] | 
                 print(log, file=sys.stderr)
             return None
         finally:
-            for pr in reversed(procs):
-                pr.terminate()
-                try:
-                    pr.wait(10)
-                except subprocess.TimeoutExpired:
-                    pr.kill()
-            echo.stop()
+            stop_processes(procs, echo)
     return results
+
+
+def stop_processes(procs: list[subprocess.Popen], echo: EchoServer | None = None, wait_s: float = 10.0) -> None:
+    """Terminate `procs`, the last started first (each killed if it has not exited after `wait_s`
+    seconds), then stop the echo worker `echo`."""
+    for pr in reversed(procs):
+        pr.terminate()
+        try:
+            pr.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            pr.kill()
+    if echo is not None:
+        echo.stop()
 
 
 def _report(args, results: dict[str, dict], gw_cpus: set[int] | None, load_cpus: set[int] | None) -> None:
