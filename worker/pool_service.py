@@ -38,24 +38,21 @@ from worker.scheduling.handback import DEFAULT_HAND_BACK_AFTER_S
 log = logging.getLogger("fairshare.worker")
 
 
-def _seconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= x < 3600:
-        raise argparse.ArgumentTypeError(f"{text} is not in [0, 3600) seconds")
-    return x
+def _seconds_in(high: float, zero_ok: bool):
+    """argparse type: seconds in [0, high) (zero_ok) or (0, high); ArgumentTypeError otherwise."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ((0 <= x) if zero_ok else (0 < x)) or not x < high:
+            raise argparse.ArgumentTypeError(f"{text} is not in {'[' if zero_ok else '('}0, {high:g}) seconds")
+        return x
+    return parse
 
 
-def _interval(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < x < 60:
-        raise argparse.ArgumentTypeError(f"{text} is not in (0, 60) seconds")
-    return x
+_seconds = _seconds_in(3600, zero_ok=True)   # --hand-back-after-s (0: off)
+_interval = _seconds_in(60, zero_ok=False)   # --pool-interval-s
 
 
 def add_pool_arguments(p: argparse.ArgumentParser) -> None:
