@@ -208,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from .serve import DrainingServer
 
-    from .http_guard import guarded_protocol
+    from .http_guard import protocol_for
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             access_log=settings.log_level.lower() == "debug",
                             timeout_graceful_shutdown=settings.drain_timeout_s + 3,
-                            http=guarded_protocol(settings.max_header_bytes, settings.header_timeout_s))
+                            http=protocol_for(settings))
     install_redaction()  # after uvicorn configured its loggers
     DrainingServer(config, drain_timeout_s=settings.drain_timeout_s).run()
     return 0

@@ -109,4 +109,12 @@ def guarded_protocol(max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                 {"max_header_bytes": int(max_header_bytes), "header_timeout_s": float(header_timeout_s)})
 
 
-__all__ = ["DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_HEADER_BYTES", "GuardedHttpToolsProtocol", "guarded_protocol"]
+def protocol_for(settings) -> type[GuardedHttpToolsProtocol]:
+    """`guarded_protocol` with the bounds of `settings` (a `GatewaySettings`; None: the defaults)."""
+    if settings is None:
+        return guarded_protocol()
+    return guarded_protocol(settings.max_header_bytes, settings.header_timeout_s)
+
+
+__all__ = ["DEFAULT_HEADER_TIMEOUT_S", "DEFAULT_MAX_HEADER_BYTES", "GuardedHttpToolsProtocol", "guarded_protocol",
+           "protocol_for"]

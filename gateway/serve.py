@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from .http_guard import guarded_protocol
+from .http_guard import protocol_for
 from fastapi import FastAPI
 
 log = logging.getLogger("fairshare.gateway")
@@ -85,9 +85,7 @@ class ServerThread:
         self.host = host
         self.port = port
         self.app = app
-        settings = getattr(getattr(app, "state", None), "settings", None)
-        http = (guarded_protocol(settings.max_header_bytes, settings.header_timeout_s) if settings is not None
-                else guarded_protocol())
+        http = protocol_for(getattr(getattr(app, "state", None), "settings", None))
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                                     access_log=False, timeout_graceful_shutdown=3, http=http))
         self.thread = threading.Thread(target=self.server.run, name=f"gateway-{port}", daemon=True)
