@@ -27,6 +27,8 @@ KV pool), the reference for hit rates and fairness "as if the pool were one big 
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from dataclasses import dataclass, field
 from fairshare.pool_board import TenantReport, WorkerReport
@@ -164,7 +166,8 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
     result = PoolResult(workload, policy, name, router, pool, config, time_model, log, 0.0, 0, pool_on)
     next_tick = 0.0 if (pool_on or name == "fair") else math.inf
     i = 0
-    handed: list[tuple[float, int, object, list[int], SimWorker]] = []  # (time, seq, spec, prompt, from): re-routes due
+    handed: list[tuple[float, int, object, list[int], SimWorker]] = []  # heap (time, seq, spec, prompt, from): re-routes due
+    handed_seq = itertools.count()
 
     def finisher(w: SimWorker, cost: int, prompt_len: int, spec, prompt):
         def on_output(out) -> None:
@@ -172,7 +175,7 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
                 return
             w.inflight_tokens -= cost
             if out.finish_reason is FinishReason.HANDED_BACK:
-                handed.append((w.clock(), len(handed), spec, prompt, w))
+                heapq.heappush(handed, (w.clock(), next(handed_seq), spec, prompt, w))
                 return
             w.prefix_hits.add(prompt_len, out.cached_tokens)
             result.prefix_hits.add(prompt_len, out.cached_tokens)
@@ -193,8 +196,7 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
 
     while True:
         if handed:  # re-route what was handed back, at the time it was handed back, before anything later
-            handed.sort(key=lambda h: (h[0], h[1]))
-            at, _, spec, prompt, src = handed.pop(0)
+            at, _, spec, prompt, src = heapq.heappop(handed)
             req = RouteRequest(spec.tenant_id, spec.tenant_id + "\x00", prompt, len(prompt) + spec.output_tokens,
                                handed_back=1)
             place(router.choose(req, [x for x in pool if x is not src]), spec, prompt, at, False)  # MAX_HAND_BACKS: once
