@@ -2,6 +2,7 @@
 prompts were?
 
     python -m loadtests.bench.sidechannel [--pairs 300] [--prefix-tokens 256] [--suffix-tokens 32]
+                                    [--batch 20] [--warmup 8]
                                     [--arms unsafe,namespaced,floor] [--floor 0.25] [--seed 0]
                                     [--addr HOST:PORT --label NAME]   (probe a running worker instead)
 
@@ -38,7 +39,7 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from loadtests.bench.sidechannel_stats import SideChannelResult, analyse, format_report
@@ -53,19 +54,33 @@ ARMS: dict[str, tuple[str, list[str]]] = {
 }
 
 
+def _size(default: int, help: str):
+    """A `ProbeConfig` field: its default and the one line that documents it (the field's `--help`)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class ProbeConfig:
-    """Experiment size. pairs: probe pairs (one shared + one control each). prefix_tokens: tokens a shared
-    probe has in common with a victim prompt. suffix_tokens: tokens after the prefix (victim prompts
-    and probes alike). batch: victim prompts per round. warmup: probes sent and discarded first.
-    seed: of the token and order draws."""
+    """Experiment size, all counts of probes or tokens. Each field is a flag of `main` named after it
+    (``prefix_tokens`` → ``--prefix-tokens``), with the field's help and default."""
 
-    pairs: int = 300
-    prefix_tokens: int = 256
-    suffix_tokens: int = 32
-    batch: int = 20
-    warmup: int = 8
-    seed: int = 0
+    pairs: int = _size(300, "probe pairs per arm (a shared probe + its control each)")
+    prefix_tokens: int = _size(256, "tokens a shared probe has in common with a victim prompt")
+    suffix_tokens: int = _size(32, "tokens after the prefix (victim prompts and probes alike)")
+    batch: int = _size(20, "victim prompts per round")
+    warmup: int = _size(8, "probes sent and discarded first")
+    seed: int = _size(0, "seed of the token and order draws")
+
+    @staticmethod
+    def add_flags(p: argparse.ArgumentParser) -> None:
+        """Add one ``--name`` flag per field to `p` (type int, the field's default and help)."""
+        for f in fields(ProbeConfig):
+            p.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default, help=f.metadata["help"])
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ProbeConfig":
+        """The config the flags of `add_flags` give, read from parsed `args`."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
 
 def _stubs():
@@ -214,20 +229,14 @@ def setup_line(cfg: ProbeConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point (`python -m loadtests.bench.sidechannel`); prints the report, returns 0."""
     p = argparse.ArgumentParser(prog="python -m loadtests.bench.sidechannel", description=__doc__.split("\n\n")[0])
-    size = ProbeConfig()  # the flags' defaults
-    p.add_argument("--pairs", type=int, default=size.pairs, help="probe pairs (a shared probe + its control) per arm")
-    p.add_argument("--prefix-tokens", type=int, default=size.prefix_tokens)
-    p.add_argument("--suffix-tokens", type=int, default=size.suffix_tokens)
-    p.add_argument("--batch", type=int, default=size.batch, help="victim prompts per round")
+    ProbeConfig.add_flags(p)
     p.add_argument("--arms", default="unsafe,namespaced,floor", help="comma list of: " + ", ".join(ARMS))
     p.add_argument("--floor", type=float, default=0.25, help="TTFT floor of the floor arm, seconds")
     p.add_argument("--threads", type=int, default=None, help="torch threads of the workers")
-    p.add_argument("--seed", type=int, default=size.seed)
     p.add_argument("--addr", default=None, help="probe this running worker instead of starting one per arm")
     p.add_argument("--label", default="worker at --addr")
     args = p.parse_args(argv)
-    cfg = ProbeConfig(pairs=args.pairs, prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
-                      batch=args.batch, seed=args.seed)
+    cfg = ProbeConfig.from_args(args)
     print(setup_line(cfg), flush=True)
     if args.addr:
         results = [probe_worker(args.addr, args.label, cfg)]
