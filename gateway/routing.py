@@ -578,10 +578,7 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
     handed: set[WorkerClient] = set()  # workers that handed it back (healthy: it may wait there after all)
     failures = attempt = 0
     while failures < max(1, max_attempts):
-        w = pool.pick(model, tried, route)
-        if w is None and handed:  # only the workers that handed it back are left: wait at one, do not fail
-            w = pool.pick(model, tried - handed, route)
-            handed.discard(w)
+        w = _next_worker(pool, model, route, tried, handed)
         if w is None:
             break
         tried.add(w)
@@ -599,13 +596,7 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
                     routing.set_attribute("fairshare.worker", w.addr)
                 return gen
             if last == HANDED_BACK:  # not a failure: the worker stays healthy and no retry is spent
-                if gen.span.is_recording():
-                    gen.span.set_attribute("fairshare.handed_back", True)
-                gen.close()
-                handed.add(w)
-                route = replace(route, handed_back=route.handed_back + 1)
-                if metrics is not None:
-                    metrics.hand_backs.labels(w.addr).inc()
+                route = _handed_back(gen, w, route, handed, metrics)
                 continue
             log.warning("%s; retrying on another worker", last)
             gen.fail("no_first_token")
@@ -621,6 +612,32 @@ async def start_generation(pool: WorkerPool, model: str, request: pb.GenerateReq
     log.warning("no worker could serve request %s (%s)", request.request_id, last)
     raise unavailable("No worker could serve the request right now; please retry.",
                       retry_after_s=pool.retry_after_s(model))
+
+
+def _next_worker(pool: WorkerPool, model: str, route: RouteRequest, tried: set[WorkerClient],
+                 handed: set[WorkerClient]) -> WorkerClient | None:
+    """The routing policy's pick among the workers of `model` not yet `tried`; when none is left but some
+    `handed` the request back (healthy, only busy), one of those, so that it waits there rather than
+    fails (that worker leaves `handed`: it will not hand the request back again). None: no worker."""
+    w = pool.pick(model, tried, route)
+    if w is None and handed:
+        w = pool.pick(model, tried - handed, route)
+        handed.discard(w)
+    return w
+
+
+def _handed_back(gen: Generation, w: WorkerClient, route: RouteRequest, handed: set[WorkerClient],
+                 metrics) -> RouteRequest:
+    """Book a hand-back by `w` (worker/scheduling/handback.py): close its stream `gen` (traced, counted in
+    ``fairshare_gateway_hand_backs_total``), remember `w` in `handed` and return `route` with one more
+    hand-back; not a failure, so `w` stays healthy and no retry is spent."""
+    if gen.span.is_recording():
+        gen.span.set_attribute("fairshare.handed_back", True)
+    gen.close()
+    handed.add(w)
+    if metrics is not None:
+        metrics.hand_backs.labels(w.addr).inc()
+    return replace(route, handed_back=route.handed_back + 1)
 
 
 def _call_worker(w: WorkerClient, request: pb.GenerateRequest, attempt: int, cost: int, tracer: trace.Tracer,
