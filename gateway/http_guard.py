@@ -12,6 +12,10 @@ open for ever with a few bytes: slowloris). The body has its own bounds (`--max-
 - a head not complete `header_timeout_s` (default 10 s) after its first byte, or a new connection
   that sends nothing for that long, gets ``408`` (when something was sent) and is closed.
 
+Bytes that are not HTTP (uvicorn answers them with a plain-text 400) get the same OpenAI-shaped
+error body as every other refusal: ``400``, code ``invalid_http_request``, and the connection is
+closed.
+
 Between requests on a kept-alive connection uvicorn's own keep-alive timeout applies, as before.
 """
 
@@ -90,6 +94,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                                    "request_timeout"))
         else:
             self.transport.close()  # connected, never spoke
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes its parser rejects (``httptools.HttpParserError``), in the
+        OpenAI shape instead of plain text; the connection is closed."""
+        self._refuse(_response(400, "Bad Request", f"{msg.rstrip('.')}: the bytes sent are not a valid HTTP/1.1 request.",
+                               "invalid_http_request"))
 
     def _refuse(self, response: bytes) -> None:
         self._head_bytes = None

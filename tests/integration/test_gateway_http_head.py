@@ -72,3 +72,14 @@ def test_a_head_within_the_limit_with_a_large_body_is_served(gw):
         s.sendall(head + body)  # head and body in the same reads
         raw = _read_all(s, "a served request")
     assert raw.startswith(b"HTTP/1.1 200 "), raw[:300]
+
+
+@pytest.mark.parametrize("garbage", [b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 32 + b"\r\n\r\n",
+                                     b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+                                     b"GET / HTTP/9.9 trailing\r\n\r\n"],
+                         ids=["tls-hello", "negative-length", "bad-request-line"])
+def test_bytes_that_are_not_http_get_an_openai_shaped_400_and_the_connection_is_closed(gw, garbage):
+    with _connect(gw) as s:
+        s.sendall(garbage)
+        err = _error(_read_all(s, "invalid HTTP"), 400)
+    assert err["code"] == "invalid_http_request" and "not a valid HTTP/1.1 request" in err["message"]
