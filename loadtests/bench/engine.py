@@ -177,6 +177,14 @@ def _llama_cpp(params: dict) -> dict:
     return out
 
 
+def _thread_wait() -> str:
+    """How the engine's OpenMP threads wait at barriers, as the run's environment sets it (the engine's
+    child applies `worker.cli.passive_thread_wait`: PASSIVE unless one of the two is set). Figures at
+    2 threads differ by more than 2x between the two on an idle machine (docs/engine.md, "Threads")."""
+    set_ = [f"{k}={os.environ[k]}" for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ]
+    return "OpenMP waits: " + (", ".join(set_) if set_ else "OMP_WAIT_POLICY=PASSIVE (the worker's default)")
+
+
 def _in_child(fn, params: dict) -> dict:
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, (params,))
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
               "quantization": args.quantization, "repeats": args.repeats}
     print(f"model {args.model}; torch {torch.__version__}; {threads} threads; prompt {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens per sequence, greedy; fastest of {args.repeats} runs per batch size; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {_thread_wait()}", flush=True)
     ours = _in_child(_ours, params)
     print(f"fairshare engine: {ours['format']}; {ours['resident_weight_bytes'] / 2**20:,.0f} MiB of weights held, "
           f"{ours['weight_bytes'] / 2**20:,.0f} MiB read per forward step ({min(ours['step_bytes'].values()) / 2**20:,.0f} "

@@ -586,6 +586,20 @@ def test_weight_format_values_become_worker_flags_the_worker_accepts(helm):
     assert res.returncode != 0 and "quantization" in res.stderr
 
 
+def test_thread_wait_value_sets_the_openmp_wait_policy_of_reference_workers(helm):
+    """worker.threadWait reaches the reference worker as OMP_WAIT_POLICY (passive by default, as the
+    worker's own default; spin: ACTIVE), which the worker keeps (worker.cli.passive_thread_wait
+    defers to a policy already set); an unknown value is refused by the schema."""
+    def policy(*sets):
+        env = container(one(helm.render(sets=sets), "StatefulSet", "worker"), "worker")["env"]
+        return [e["value"] for e in env if e["name"] == "OMP_WAIT_POLICY"]
+
+    assert policy() == ["PASSIVE"]
+    assert policy("worker.threadWait=spin") == ["ACTIVE"]
+    res = helm.template(sets=("worker.threadWait=busy",))
+    assert res.returncode != 0 and "threadWait" in res.stderr
+
+
 @pytest.mark.parametrize("value_set", VALUE_SETS)
 def test_pods_run_as_non_root(helm, value_set):
     for w in (d for d in helm.render(VALUE_SETS[value_set]) if d["kind"] in WORKLOAD_KINDS):
