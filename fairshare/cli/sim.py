@@ -276,23 +276,26 @@ def cmd_skew(argv: list[str]) -> int:
     p.add_argument("--rate-scale", default="auto", help="'auto' (the fairness report's scale) or a factor")
     args = p.parse_args(argv)
     from loadtests.reports.fairness import resolve_rate_scale
-    from loadtests.reports.pool import SKEW_SINGLE, skew_checks, run_skew
+    from loadtests.reports.pool import SKEW_SHAPED, SKEW_SINGLE, skew_checks, run_skew
 
     tm = _profile(args.profile)
     scale = resolve_rate_scale(args.rate_scale, tm)[0]
-    print(f"pool skew, 4 workers, rate scale {scale:.4f}; max weighted service difference (units) / Jain")
+    print(f"pool skew, 4 workers, rate scale {scale:.4f}; max weighted service difference (units) / Jain; "
+          "'pool-shaped' = one worker with the pool's slots (not the goal's reference)")
     print(f"{'seed':>4}  {'fair':>14}  {'single-worker VTC':>17}  {'per-worker VTC':>14}  {'FCFS':>14}  "
-          f"{'fair/single':>11}  {'per-worker/fair':>15}")
+          f"{'fair/single':>11}  {'per-worker/fair':>15}  {'pool-shaped':>14}  {'fair/shaped':>11}")
     passed = 0
     for seed in args.seeds:
         rows = run_skew(tm, scale, seed=seed)
         fair, single, per, fcfs = rows["fair"], rows[SKEW_SINGLE], rows["per-worker VTC"], rows["FCFS"]
+        shaped = rows[SKEW_SHAPED]
         ok = skew_checks(rows)
         passed += all(ok.values())
         print(f"{seed:>4}  {fair.diff:>6,.0f} / {fair.jain:.3f}  {single.diff:>9,.0f} / {single.jain:.3f}  "
               f"{per.diff:>6,.0f} / {per.jain:.3f}  {fcfs.diff:>6,.0f} / {fcfs.jain:.3f}  "
               f"{fair.diff / max(single.diff, 1e-9):>10.1f}x{' ' if ok['within 2x'] else '!'} "
-              f"{per.diff / max(fair.diff, 1e-9):>14.1f}x{' ' if ok['10x below'] else '!'}  {fair.where()}")
+              f"{per.diff / max(fair.diff, 1e-9):>14.1f}x{' ' if ok['10x below'] else '!'}  "
+              f"{shaped.diff:>6,.0f} / {shaped.jain:.3f}  {fair.diff / max(shaped.diff, 1e-9):>10.1f}x  {fair.where()}")
     print(f"goal (fair <= 2x single-worker VTC, >= 10x below per-worker VTC) met at {passed} of {len(args.seeds)} "
           "seeds ('!' marks a miss)")
     return 0

@@ -12,8 +12,11 @@ Two experiments, each printed as figures with their checks and written as a mark
   the single worker's; their p99 queue time <= 1.2x ``least-loaded``'s.
 - **Fairness under skew** (`run_skew`): `fairshare.workloads.pool.SKEWED_OVERLOAD` on 4 workers:
   per-worker VTC (``prefix`` routing, each worker its own counters), ``fair`` (pool-wide counters
-  and spill), FCFS (``prefix`` routing), and two single-worker references: VTC on one worker with
-  the pool's capacity, and VTC on one worker of the pool's kind carrying a quarter of the traffic.
+  and spill), FCFS (``prefix`` routing), and three single-worker references: VTC on one worker with
+  the pool's capacity (one worker's batch, N times as fast: the checks' reference), VTC on one worker
+  of the pool's kind carrying a quarter of the traffic, and VTC on one worker of the pool's shape
+  (N times the slots, KV and prefill chunk, each iteration as long as a pool worker's: the pool's
+  batches under one scheduler, `loadtests.sim.pool.pool_shaped_worker`).
   Figures: pool-wide max weighted service difference over co-backlogged intervals and Jain's index
   (whole window and its second half). Checks: ``fair`` <= 2x the single worker's difference and
   >= 10x below per-worker VTC's.
@@ -29,7 +32,8 @@ from dataclasses import dataclass, field
 from fairshare.workloads.pool import SKEWED_OVERLOAD
 from fairshare.workloads.shared_prefix import SHARED_SYSTEM_PROMPTS
 from worker.scheduling.metrics import compute_metrics
-from loadtests.sim.pool import PoolResult, base_workload, pool_rate_scale, run_pool, single_worker_equivalent
+from loadtests.sim.pool import (PoolResult, base_workload, pool_rate_scale, pool_shaped_worker, run_pool,
+                                single_worker_equivalent)
 from loadtests.sim.runner import IterationTimeModel
 
 ROUTINGS = ("least-loaded", "prefix", "fair")
@@ -153,6 +157,7 @@ SKEW_RUNS = (  # label, policy, routing, pool counters
 )
 SKEW_SINGLE = "single-worker VTC (pool capacity)"
 SKEW_QUARTER = "one worker VTC (1/N of the traffic)"
+SKEW_SHAPED = "one worker VTC, the pool's shape (Nx slots)"
 
 
 def run_skew(time_model: IterationTimeModel, rate_scale: float, *, seed: int = 0, workload=SKEWED_OVERLOAD,
@@ -173,6 +178,10 @@ def run_skew(time_model: IterationTimeModel, rate_scale: float, *, seed: int = 0
     res = run_pool(workload, "vtc", time_model, workers=1, routing="least-loaded", seed=seed,
                    rate_scale=rate_scale / workers, drain_s=0.0)
     rows[SKEW_QUARTER] = _skew_row(SKEW_QUARTER, res)
+    shaped = pool_shaped_worker(workers, time_model, "vtc", workload)
+    res = run_pool(workload, "vtc", shaped.pop("time_model"), workers=1, routing="least-loaded", seed=seed,
+                   rate_scale=rate_scale, drain_s=0.0, **shaped)
+    rows[SKEW_SHAPED] = _skew_row(SKEW_SHAPED, res)
     return rows
 
 

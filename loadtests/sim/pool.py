@@ -245,6 +245,18 @@ def single_worker_equivalent(workers: int, time_model: IterationTimeModel, polic
     return {"time_model": time_model.faster(workers), "num_kv_blocks": cfg.num_kv_blocks * workers}
 
 
+def pool_shaped_worker(workers: int, time_model: IterationTimeModel, policy: str, workload,
+                       **engine_overrides) -> dict:
+    """`run_pool` arguments for one worker of the pool's own shape: `workers` times each worker's
+    running slots, KV pool and prefill chunk, each iteration as long as one pool worker's
+    (`IterationTimeModel.wider`): the pool's batches under one scheduler, where
+    `single_worker_equivalent` keeps one worker's batch and runs it `workers` times as fast. Returns
+    {"time_model", "num_kv_blocks", "max_running", "max_num_batched_tokens"}."""
+    cfg = engine_config(policy, base_workload(workload), **engine_overrides)
+    return {"time_model": time_model.wider(workers), "num_kv_blocks": cfg.num_kv_blocks * workers,
+            "max_running": cfg.max_running * workers, "max_num_batched_tokens": cfg.max_num_batched_tokens * workers}
+
+
 def mean_request(workload, seed: int = 0) -> tuple[int, int]:
     """(mean prompt tokens, mean output tokens) of a workload's requests at rate scale 1."""
     items = _requests(workload, seed, 1.0)
@@ -276,6 +288,6 @@ def route_ids(workers: int) -> list[str]:
     return [f"w{i}" for i in range(workers)]
 
 
-__all__ = ["PoolResult", "SimWorker", "mean_request", "pool_rate_scale", "route_ids", "run_pool",
-           "single_worker_equivalent"]
+__all__ = ["PoolResult", "SimWorker", "mean_request", "pool_rate_scale", "pool_shaped_worker", "route_ids",
+           "run_pool", "single_worker_equivalent"]
 

@@ -80,6 +80,17 @@ class IterationTimeModel:
         return IterationTimeModel(self.a / factor, self.b / factor, self.c / factor, self.d / factor,
                                   f"{self.source}, {factor:g}x as fast" if factor != 1 else self.source)
 
+    def wider(self, factor: float) -> "IterationTimeModel":
+        """The same model for a server with `factor` times the hardware that runs `factor` times the
+        batch in one iteration (the per-token and per-sequence coefficients b, c, d divided by it, the
+        fixed per-iteration cost a kept): an iteration over `factor` pool workers' batches takes as long
+        as one pool worker's over its own. The pool simulator's pool-shaped single worker. Raises
+        ValueError unless factor > 0."""
+        if not factor > 0:
+            raise ValueError("factor must be > 0")
+        return IterationTimeModel(self.a, self.b / factor, self.c / factor, self.d / factor,
+                                  f"{self.source}, {factor:g}x as wide" if factor != 1 else self.source)
+
     def describe(self) -> str:
         return (f"t = {self.a * 1e3:.3f} ms + {self.b * 1e6:.2f} us*prefill_tokens + {self.c * 1e6:.2f} us*batch_size"
                 f" + {self.d * 1e9:.2f} ns*context_tokens  ({self.source})")

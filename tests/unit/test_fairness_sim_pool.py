@@ -148,3 +148,21 @@ def test_pool_skew_tenants_are_homed_where_the_workload_says():
         homes[rendezvous_rank(route_key(t + "\x00", prompt, ROUTE_PREFIX_TOKENS), ids)[0]].append(t)
     for w, listed in HOMES.items():
         assert tuple(homes[w][:len(listed)]) == listed, (w, homes[w])
+
+
+def test_the_pool_shaped_reference_runs_the_pools_batches_in_one_worker_iteration_time():
+    """`pool_shaped_worker`: N times a worker's slots, KV pool and prefill chunk, and an iteration over
+    N workers' batches as long as one pool worker's over its own (`IterationTimeModel.wider`); the
+    fast single worker (`single_worker_equivalent`) keeps one worker's slots."""
+    from loadtests.sim.driver import engine_config
+    from loadtests.sim.pool import pool_shaped_worker
+
+    cfg = engine_config("vtc", SKEWED_OVERLOAD.base)
+    shaped = pool_shaped_worker(4, TM, "vtc", SKEWED_OVERLOAD)
+    assert (shaped["max_running"], shaped["num_kv_blocks"], shaped["max_num_batched_tokens"]) == (
+        4 * cfg.max_running, 4 * cfg.num_kv_blocks, 4 * cfg.max_num_batched_tokens)
+    one = TM.step_time(prefill_tokens=512, batch_size=64, context_tokens=20_000)
+    assert shaped["time_model"].step_time(4 * 512, 4 * 64, 4 * 20_000) == pytest.approx(one)
+    assert TM.faster(4).step_time(512, 64, 20_000) == pytest.approx(one / 4)
+    with pytest.raises(ValueError):
+        TM.wider(0)
