@@ -103,6 +103,8 @@ def test_openai_client_json_schema_and_json_object(gw):
     # valid for the metaschema, but its $ref points nowhere: only the worker's compiler finds out
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
         "a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}}}, "response_format"),
+    # compiles, but nothing satisfies it (no first token): it used to fail the whole batch it ran in
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}, "response_format"),
 ])
 def test_invalid_response_format_is_a_400_and_leaves_no_lease(gw, fmt, param):
     r = post(gw, "so-main", "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 8,

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from worker.engine.engine import Engine, EngineConfig
-from worker.engine.grammar import Constraint, InvalidGrammar, apply_masks
+from worker.engine import grammar as grammar_module
+from worker.engine.grammar import Constraint, InvalidGrammar, apply_masks, no_allowed_token
 from worker.engine.sequence import FinishReason, SamplingParams
 from worker.models import load_model
 
@@ -146,3 +147,59 @@ def test_grammars_that_do_not_compile_raise_invalid_grammar(engine, kind, source
     with pytest.raises(InvalidGrammar) as e:
         engine.compile_grammar(kind, source)
     assert "/project/" not in str(e.value) and str(e.value)  # xgrammar's C++ location is cut off
+
+
+@pytest.mark.parametrize("source", ['{"$ref": "#"}', '{"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}'])
+def test_a_schema_no_output_satisfies_is_invalid_at_compile_time(engine, source):
+    """It compiles, but no token can start it: before, its request sampled from all -inf logits (a
+    NaN softmax) and failed the whole batch it ran in; now it is refused before it is queued."""
+    with pytest.raises(InvalidGrammar, match="allows no first token"):
+        engine.compile_grammar("json_schema", source)
+
+
+class DeadEndAfter(Constraint):
+    """The real grammar for `n` tokens, then a mask that allows nothing (a grammar at a dead end, which
+    xgrammar's own grammars should never reach: the engine's guard is what is under test)."""
+
+    n = 3
+
+    def fill(self, bitmask, row):
+        super().fill(bitmask, row)
+        if self.matcher_tokens >= self.n:
+            bitmask[row] = 0
+
+    def accept(self, token):
+        self.matcher_tokens = getattr(self, "matcher_tokens", 0) + 1
+        return super().accept(token)
+
+    matcher_tokens = 0
+
+
+def test_a_grammar_at_a_dead_end_stops_its_request_alone(engine, monkeypatch):
+    """The dead-end request stops (STOP, with what it produced) and leaves the batch; the other
+    constrained request and a free one in the same iterations finish normally, the engine has not
+    failed and every KV block is back."""
+    free_before = engine.block_manager.num_free
+    g = engine.compile_grammar("regex", r"[a-z]{40}")
+    rec = Recorder()
+    monkeypatch.setattr(grammar_module, "Constraint", DeadEndAfter)
+    engine.add_request("dead", "t1", [9, 8, 7], SamplingParams(max_tokens=40, seed=1, grammar=g), rec.cb)
+    engine.step()  # admits "dead" with the dead-end grammar; the next two get the real one
+    monkeypatch.setattr(grammar_module, "Constraint", Constraint)
+    engine.add_request("live", "t2", [9, 8, 7], SamplingParams(max_tokens=40, seed=2, grammar=g), rec.cb)
+    engine.add_request("free", "t3", [9, 8, 7], SamplingParams(max_tokens=20, seed=3, ignore_eos=True), rec.cb)
+    run(engine, rec, ["dead", "live", "free"])
+    dead = rec.outs["dead"][-1]
+    assert dead.finish_reason is FinishReason.STOP and dead.error is None
+    assert dead.completion_tokens == DeadEndAfter.n and rec.text("dead").isalpha()
+    assert rec.outs["live"][-1].finish_reason is FinishReason.STOP and len(rec.text("live")) == 40
+    assert rec.outs["free"][-1].finish_reason is FinishReason.LENGTH
+    assert engine.failed is None
+    assert engine.block_manager.num_free == free_before
+
+
+def test_no_allowed_token_names_only_constrained_rows_with_every_logit_masked():
+    logits = torch.zeros(3, 8)
+    logits[1] = float("-inf")
+    logits[2] = float("-inf")
+    assert no_allowed_token(logits, [object(), object(), None]) == [1]

@@ -514,9 +514,7 @@ class Engine:
 
                 batch = logits[rows]
                 if any(s.constraint is not None for s in seqs):  # per-row grammar masks, same iteration
-                    from worker.engine.grammar import apply_masks
-
-                    batch = apply_masks(batch, [s.constraint for s in seqs])
+                    batch, seqs = self._masked(batch, seqs)
                 tokens = sample(batch, [s.sampling for s in seqs], [s.generator for s in seqs])
             for seq, tok in zip(seqs, tokens):
                 units = self._commit(seq, tok, now)
@@ -526,6 +524,25 @@ class Engine:
                     outputs[t] = outputs.get(t, 0) + 1
         if rec is not None:
             rec.on_step(started, now, service, prefill, outputs)
+
+    def _masked(self, batch, seqs: list[Sequence]):
+        """Apply the grammar masks to `batch` (logits [len(seqs), vocab]); a request whose grammar allows
+        no next token at all (a dead end: nothing can be sampled) ends here with STOP and what it has
+        produced, alone, and leaves the batch. Returns (masked logits, the sequences still to sample)."""
+        from worker.engine.grammar import apply_masks, no_allowed_token
+
+        batch = apply_masks(batch, [s.constraint for s in seqs])
+        dead = no_allowed_token(batch, [s.constraint for s in seqs])
+        if not dead:
+            return batch, seqs
+        for i in dead:
+            log.warning("request %s: its grammar allows no next token after %d; stopping", seqs[i].request_id,
+                        len(seqs[i].output_token_ids))
+            if seqs[i].detokenizer is not None:
+                seqs[i].output_text += seqs[i].detokenizer.flush()
+            self._finish(seqs[i], FinishReason.STOP)
+        keep = [i for i in range(len(seqs)) if i not in set(dead)]
+        return batch[keep], [seqs[i] for i in keep]
 
     def _commit(self, seq: Sequence, token, now: float) -> float:
         """Commit one sampled token (an id, or a `sampler.Sample` with its logprobs): charge it,

@@ -88,12 +88,17 @@ class GrammarCompiler:
     def compile(self, kind: str, source: str = "") -> "CompiledConstraint":
         """The compiled grammar of `(kind, source)` (xgrammar caches compilations by source).
 
-        Raises InvalidGrammar for an unknown kind or a source that does not compile (not JSON, an
-        unsupported or malformed JSON Schema, a bad regex / EBNF / structural tag)."""
+        Raises InvalidGrammar for an unknown kind, a source that does not compile (not JSON, an
+        unsupported or malformed JSON Schema, a bad regex / EBNF / structural tag), or one that
+        compiles but allows no first token (nothing can be generated under it)."""
         if kind not in KINDS:
             raise InvalidGrammar(f"unknown grammar kind {kind!r}")
         compiled = self._compile(kind, source)
-        return CompiledConstraint(compiled, self._json_mask if kind in JSON_KINDS else None)
+        constraint = CompiledConstraint(compiled, self._json_mask if kind in JSON_KINDS else None)
+        if not Constraint(constraint).allows_any():
+            # e.g. the schema {"$ref": "#"}: it compiles, and no token can start an output of it
+            raise InvalidGrammar(f"invalid {kind}: no output satisfies it (the grammar allows no first token)")
+        return constraint
 
     def _compile(self, kind: str, source: str):
         compiler = self._get()
@@ -143,6 +148,7 @@ class Constraint:
 
         self.matcher = xgr.GrammarMatcher(grammar.compiled)
         self.static_mask = grammar.static_mask
+        self.vocab_size = int(grammar.compiled.tokenizer_info.vocab_size)
 
     def accept(self, token: int) -> bool:
         """Advance past a committed token; False when the grammar does not allow it."""
@@ -159,8 +165,23 @@ class Constraint:
         if self.static_mask is not None:
             bitmask[row, :self.static_mask.numel()] &= self.static_mask
 
+    def allows_any(self) -> bool:
+        """Whether some token is allowed at the next position (the static mask included)."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.fill(bitmask, 0)
+        return bool(bitmask.any())
+
 
 _BITMASKS: dict[tuple[int, int], torch.Tensor] = {}  # (rows, vocab) -> reusable bitmask (engine thread)
+
+
+def no_allowed_token(logits: torch.Tensor, constraints: list["Constraint | None"]) -> list[int]:
+    """Rows of masked `logits` [n, vocab] (from `apply_masks`) whose constraint allows no token at all
+    (every logit -inf): a grammar at a dead end. Sampling such a row has no answer (softmax of
+    all -inf is NaN), so the engine ends that request alone instead of failing its batch."""
+    return [i for i, c in enumerate(constraints) if c is not None and not bool(torch.isfinite(logits[i]).any())]
 
 
 def apply_masks(logits: torch.Tensor, constraints: list["Constraint | None"]) -> torch.Tensor:
