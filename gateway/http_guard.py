@@ -14,7 +14,8 @@ open for ever with a few bytes: slowloris). The body has its own bounds (`--max-
 
 Bytes that are not HTTP (uvicorn answers them with a plain-text 400) get the same OpenAI-shaped
 error body as every other refusal: ``400``, code ``invalid_http_request``, and the connection is
-closed.
+closed. A WebSocket upgrade request (the gateway has no WebSocket endpoint; uvicorn's handshake
+answered 403 with no body) is served as the plain HTTP request it also is.
 
 Between requests on a kept-alive connection uvicorn's own keep-alive timeout applies, as before.
 """
@@ -100,6 +101,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         OpenAI shape instead of plain text; the connection is closed."""
         self._refuse(_response(400, "Bad Request", f"{msg.rstrip('.')}: the bytes sent are not a valid HTTP/1.1 request.",
                                "invalid_http_request"))
+
+    def _should_upgrade(self) -> bool:
+        """Never: the gateway serves no WebSocket, so an ``Upgrade`` header is ignored (RFC 9110,
+        section 7.8, lets a server do so) and the request is served as plain HTTP, rather than
+        uvicorn's bodiless 403 from its WebSocket handshake."""
+        return False
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """Silent: the header is the client's to send, and a warning per request would let any client
+        fill the log."""
 
     def _refuse(self, response: bytes) -> None:
         self._head_bytes = None

@@ -83,3 +83,21 @@ def test_bytes_that_are_not_http_get_an_openai_shaped_400_and_the_connection_is_
         s.sendall(garbage)
         err = _error(_read_all(s, "invalid HTTP"), 400)
     assert err["code"] == "invalid_http_request" and "not a valid HTTP/1.1 request" in err["message"]
+
+
+def test_a_websocket_upgrade_request_is_served_as_plain_http(gw):
+    """The gateway has no WebSocket endpoint: the Upgrade header is ignored and the request gets the
+    OpenAI-shaped answer any HTTP request to that path gets (here 401: no key), not a bodiless 403."""
+    with _connect(gw) as s:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                  b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n")
+        s.settimeout(30)
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw.partition(b"\r\n\r\n")[2]) < 20:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401 "), raw[:300]
+    assert set(json.loads(body)["error"]) == {"message", "type", "param", "code"}
