@@ -426,6 +426,12 @@ def check_json_schema(schema: Any, param: str) -> None:
     if ref is not None:
         raise invalid_request(f"Invalid schema for '{param}': only references within the schema ('#/...') are "
                               f"supported, got '$ref': {ref!r}.", param, "invalid_value")
+    unenforced = _unenforced_keyword(schema)
+    if unenforced is not None:
+        keyword, where = unenforced
+        raise invalid_request(f"Invalid schema for '{param}': '{keyword}' is not supported (at {where or '(root)'}): "
+                              "constrained decoding would not enforce it, so the output could violate the "
+                              "schema.", param, "invalid_value")
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # values there are instances, not schemas
@@ -446,6 +452,52 @@ def _remote_ref(schema: dict) -> str | None:
                     stack.append(v)
         elif isinstance(node, list):
             stack.extend(v for v in node if isinstance(v, (dict, list)))
+    return None
+
+
+# Keywords the worker's grammar compiler (xgrammar) accepts and then does not enforce: output that
+# violates them would pass (measured: {"not": {"type": "null"}} lets `null` through, if/then lets any
+# value through, and so does an allOf of non-object schemas, e.g. [integer, {"minimum": 5}] lets 3
+# through). allOf whose entries are all object schemas is merged and enforced, so only that is kept.
+_UNENFORCED = ("not", "if", "then", "else")
+_OBJECT_KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "title", "description",
+                              "$ref", "$defs", "definitions", "$comment"})
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedItems",
+                  "unevaluatedProperties", "additionalItems", "not", "if", "then", "else")
+
+
+def _is_object_schema(node: Any) -> bool:
+    """An allOf entry xgrammar merges: an object schema (or a reference, which is resolved there)."""
+    return isinstance(node, dict) and set(node) <= _OBJECT_KEYWORDS and node.get("type", "object") == "object"
+
+
+def _unenforced_keyword(schema: dict) -> tuple[str, str] | None:
+    """(keyword, path) of the first keyword of `schema` in `_UNENFORCED`, or of an ``allOf`` of two or
+    more entries that are not all object schemas, else None. Walks schema positions only (a property
+    named "not" is a name, not the keyword); iterative."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for k in _UNENFORCED:
+            if k in node:
+                return k, path
+        entries = node.get("allOf")
+        if isinstance(entries, list) and len(entries) > 1 and not all(_is_object_schema(e) for e in entries):
+            return "allOf (of schemas that are not all objects)", path
+        at = (path + "/") if path else ""
+        for k in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(k), dict):
+                stack.extend((v, f"{at}{k}/{name}") for name, v in node[k].items())
+        for k in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(k), list):
+                stack.extend((v, f"{at}{k}/{i}") for i, v in enumerate(node[k]))
+        for k in _SUBSCHEMA_ONE:
+            if isinstance(node.get(k), dict):
+                stack.append((node[k], f"{at}{k}"))
     return None
 
 

@@ -164,3 +164,33 @@ def test_a_reference_outside_the_schema_is_a_400_not_an_unconstrained_answer(sch
 def test_local_references_and_ref_shaped_data_are_accepted():
     check_json_schema({"$defs": {"a": {"type": "string"}}, "properties": {"x": {"$ref": "#/$defs/a"},
                        "$ref": {"type": "string"}}, "enum": [{"$ref": "http://example.com/data"}]}, "p")
+
+
+@pytest.mark.parametrize("schema,keyword,where", [
+    ({"not": {"type": "null"}}, "'not'", "(root)"),
+    ({"type": "object", "properties": {"x": {"type": "integer", "if": {"minimum": 0}, "then": {"maximum": 3}}}},
+     "'if'", "properties/x"),
+    ({"type": "array", "items": {"else": {}}}, "'else'", "items"),
+    ({"$defs": {"a": {"then": {"type": "string"}}}, "$ref": "#/$defs/a"}, "'then'", "$defs/a"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "'allOf", "(root)"),
+    ({"anyOf": [{"type": "string"}, {"allOf": [{"type": "string"}, {"type": "integer"}]}]}, "'allOf", "anyOf/1"),
+])
+def test_a_keyword_constrained_decoding_would_not_enforce_is_a_400(schema, keyword, where):
+    """xgrammar compiles these and then lets through output that violates them (measured: `null` under
+    {"not": {"type": "null"}}, 3 under allOf [integer, minimum 5], 7 under if/then maximum 3): refused,
+    naming the keyword and where it stands, rather than answered with output that breaks the schema."""
+    with pytest.raises(APIError) as e:
+        check_json_schema(schema, "tools.[0].function.parameters")
+    assert e.value.status == 400 and e.value.param == "tools.[0].function.parameters"
+    assert keyword in e.value.message and f"(at {where})" in e.value.message
+
+
+def test_enforced_look_alikes_are_accepted():
+    """A property named "not", data that looks like the keyword, a one-entry allOf and an allOf of object
+    schemas (xgrammar merges those and enforces them) are all fine."""
+    check_json_schema({"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}},
+                       "enum": [{"not": 1}], "examples": [{"if": 2}]}, "p")
+    check_json_schema({"allOf": [{"type": "integer"}]}, "p")
+    check_json_schema({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                 {"$ref": "#/$defs/b"}],
+                       "$defs": {"b": {"type": "object", "properties": {"b": {"type": "integer"}}}}}, "p")
