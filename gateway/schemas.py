@@ -340,7 +340,8 @@ class ChatCompletionRequest(_SamplingFields):
             if getattr(self, name) is not None:
                 raise invalid_request(f"{name} is not supported by this server.", name, "unsupported_value")
         if isinstance(self.response_format, ResponseFormatJSONSchema) and self.response_format.json_schema.schema_:
-            check_json_schema(self.response_format.json_schema.schema_, "response_format.json_schema.schema")
+            check_json_schema(self.response_format.json_schema.schema_, "response_format.json_schema.schema",
+                              strict=bool(self.response_format.json_schema.strict))
         for i, m in enumerate(self.messages):
             if isinstance(m.content, list) and not m.content:  # OpenAI refuses it too (code empty_array)
                 raise invalid_request(f"Invalid 'messages.[{i}].content': empty array. Expected an array with "
@@ -371,7 +372,8 @@ class ChatCompletionRequest(_SamplingFields):
                                       f"tools.[{i}].function.name", "invalid_value")
             names.add(t.function.name)
             if t.function.parameters is not None:
-                check_json_schema(t.function.parameters, f"tools.[{i}].function.parameters")
+                check_json_schema(t.function.parameters, f"tools.[{i}].function.parameters",
+                                  strict=bool(t.function.strict))
         if self.tools is not None and not self.tools:
             raise invalid_request("Invalid 'tools': empty array. Expected an array with minimum length 1, but got "
                                   "an empty array instead.", "tools", "empty_array")
@@ -403,11 +405,14 @@ class ChatCompletionRequest(_SamplingFields):
 Prompt = Union[str, list[str], list[int], list[list[int]]]
 
 
-def check_json_schema(schema: Any, param: str) -> None:
+def check_json_schema(schema: Any, param: str, strict: bool = False) -> None:
     """Raise a 400 naming `param` unless `schema` is a JSON Schema object that the JSON Schema
     metaschema (draft 2020-12, via `jsonschema`) accepts. A schema nested too deeply for that check
     (its validator recurses several frames per level; ~100 levels of ``properties`` exhaust Python's
-    stack) is refused too, rather than failing the request with a 500."""
+    stack) is refused too, rather than failing the request with a 500. strict: the client asked for
+    output that satisfies the schema (``strict: true``); a keyword constrained decoding would not
+    enforce (`_unenforced_keyword`) is then a 400 too, as OpenAI refuses keywords strict mode does
+    not support; without it such a keyword is applied as far as the grammar can (best effort)."""
     import jsonschema
 
     if not isinstance(schema, dict):
@@ -426,7 +431,7 @@ def check_json_schema(schema: Any, param: str) -> None:
     if ref is not None:
         raise invalid_request(f"Invalid schema for '{param}': only references within the schema ('#/...') are "
                               f"supported, got '$ref': {ref!r}.", param, "invalid_value")
-    unenforced = _unenforced_keyword(schema)
+    unenforced = _unenforced_keyword(schema) if strict else None
     if unenforced is not None:
         keyword, where = unenforced
         raise invalid_request(f"Invalid schema for '{param}': '{keyword}' is not supported (at {where or '(root)'}): "
@@ -455,28 +460,27 @@ def _remote_ref(schema: dict) -> str | None:
     return None
 
 
-# Keywords the worker's grammar compiler (xgrammar) accepts and then does not enforce: output that
-# violates them would pass (measured: {"not": {"type": "null"}} lets `null` through, if/then lets any
-# value through, and so does an allOf of non-object schemas, e.g. [integer, {"minimum": 5}] lets 3
-# through). allOf whose entries are all object schemas is merged and enforced, so only that is kept.
-_UNENFORCED = ("not", "if", "then", "else")
-_OBJECT_KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "title", "description",
-                              "$ref", "$defs", "definitions", "$comment"})
+# Keywords the worker's grammar compiler (xgrammar, strict mode, as the worker compiles) accepts and
+# then does not enforce: output that violates them passes. Measured with its matcher on SmolLM2's
+# vocabulary: `null` passes {"not": {"type": "null"}}, 7 passes if/then {"maximum": 3}, 3 passes allOf
+# [integer, {"minimum": 5}], {"a": 1} passes allOf of two objects requiring "a" and "b" (allOf is not
+# merged), [1, 1] passes uniqueItems, [] and ["a"] pass contains {"type": "integer"}, {"a": 1} passes
+# dependentRequired / dependentSchemas that require "b". (Enforced, measured the same way: minimum,
+# exclusiveMaximum, multipleOf, minLength, pattern, format, const, propertyNames, maxProperties,
+# unevaluatedProperties, prefixItems with items false, anyOf.)
+# uniqueItems is not enforced either ([1, 1] passes) but is not refused: pydantic writes it for every
+# set-typed field, and a client parsing into a set loses nothing by a duplicate.
+_UNENFORCED = ("not", "if", "then", "else", "contains", "dependentRequired", "dependentSchemas")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
 _SUBSCHEMA_ONE = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedItems",
                   "unevaluatedProperties", "additionalItems", "not", "if", "then", "else")
 
 
-def _is_object_schema(node: Any) -> bool:
-    """An allOf entry xgrammar merges: an object schema (or a reference, which is resolved there)."""
-    return isinstance(node, dict) and set(node) <= _OBJECT_KEYWORDS and node.get("type", "object") == "object"
-
-
 def _unenforced_keyword(schema: dict) -> tuple[str, str] | None:
     """(keyword, path) of the first keyword of `schema` in `_UNENFORCED`, or of an ``allOf`` of two or
-    more entries that are not all object schemas, else None. Walks schema positions only (a property
-    named "not" is a name, not the keyword); iterative."""
+    more entries, else None. Walks schema positions only (a property named "not" is a name, not the
+    keyword); iterative."""
     stack: list[tuple[Any, str]] = [(schema, "")]
     while stack:
         node, path = stack.pop()
@@ -486,8 +490,8 @@ def _unenforced_keyword(schema: dict) -> tuple[str, str] | None:
             if k in node:
                 return k, path
         entries = node.get("allOf")
-        if isinstance(entries, list) and len(entries) > 1 and not all(_is_object_schema(e) for e in entries):
-            return "allOf (of schemas that are not all objects)", path
+        if isinstance(entries, list) and len(entries) > 1:
+            return "allOf (of two or more schemas)", path
         at = (path + "/") if path else ""
         for k in _SUBSCHEMA_MAPS:
             if isinstance(node.get(k), dict):

@@ -105,6 +105,9 @@ def test_openai_client_json_schema_and_json_object(gw):
         "a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}}}, "response_format"),
     # compiles, but nothing satisfies it (no first token): it used to fail the whole batch it ran in
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}, "response_format"),
+    # strict, with a keyword the grammar would not enforce (null would pass it)
+    ({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"not": {"type": "null"}}}},
+     "response_format.json_schema.schema"),
 ])
 def test_invalid_response_format_is_a_400_and_leaves_no_lease(gw, fmt, param):
     r = post(gw, "so-main", "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 8,

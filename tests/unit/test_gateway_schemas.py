@@ -9,7 +9,8 @@ from pydantic import ValidationError
 
 from gateway.errors import APIError, from_validation_error
 from gateway.routing import WorkerClient, WorkerPool
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, check_json_schema, chat_chunk, usage_dict
+from gateway.schemas import (ChatCompletionRequest, CompletionRequest, check_json_schema, chat_chunk, usage_dict,
+                             validate_request)
 from gateway.sse import DONE, event
 
 
@@ -173,24 +174,42 @@ def test_local_references_and_ref_shaped_data_are_accepted():
     ({"type": "array", "items": {"else": {}}}, "'else'", "items"),
     ({"$defs": {"a": {"then": {"type": "string"}}}, "$ref": "#/$defs/a"}, "'then'", "$defs/a"),
     ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "'allOf", "(root)"),
-    ({"anyOf": [{"type": "string"}, {"allOf": [{"type": "string"}, {"type": "integer"}]}]}, "'allOf", "anyOf/1"),
+    ({"allOf": [{"type": "object", "required": ["a"]}, {"type": "object", "required": ["b"]}]}, "'allOf", "(root)"),
+    ({"anyOf": [{"type": "string"}, {"type": "array", "contains": {"const": 1}}]}, "'contains'", "anyOf/1"),
+    ({"type": "array", "contains": {"type": "integer"}}, "'contains'", "(root)"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'", "(root)"),
 ])
-def test_a_keyword_constrained_decoding_would_not_enforce_is_a_400(schema, keyword, where):
+def test_strict_refuses_a_keyword_constrained_decoding_would_not_enforce(schema, keyword, where):
     """xgrammar compiles these and then lets through output that violates them (measured: `null` under
-    {"not": {"type": "null"}}, 3 under allOf [integer, minimum 5], 7 under if/then maximum 3): refused,
-    naming the keyword and where it stands, rather than answered with output that breaks the schema."""
+    {"not": {"type": "null"}}, 3 under allOf [integer, minimum 5], 7 under if/then maximum 3, [] under
+    contains): with strict: true they are refused, naming the keyword and where it stands,
+    as OpenAI refuses what strict mode does not support; without strict they are best effort."""
     with pytest.raises(APIError) as e:
-        check_json_schema(schema, "tools.[0].function.parameters")
+        check_json_schema(schema, "tools.[0].function.parameters", strict=True)
     assert e.value.status == 400 and e.value.param == "tools.[0].function.parameters"
     assert keyword in e.value.message and f"(at {where})" in e.value.message
+    check_json_schema(schema, "tools.[0].function.parameters")  # not strict: accepted
 
 
-def test_enforced_look_alikes_are_accepted():
-    """A property named "not", data that looks like the keyword, a one-entry allOf and an allOf of object
-    schemas (xgrammar merges those and enforces them) are all fine."""
+def test_enforced_look_alikes_are_accepted_in_strict_mode():
+    """A property named "not", data that looks like the keyword, a one-entry allOf and uniqueItems (not
+    enforced, but what pydantic writes for a set, which loses nothing by a duplicate) are accepted."""
     check_json_schema({"type": "object", "properties": {"not": {"type": "integer"}, "if": {"type": "string"}},
-                       "enum": [{"not": 1}], "examples": [{"if": 2}]}, "p")
-    check_json_schema({"allOf": [{"type": "integer"}]}, "p")
-    check_json_schema({"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-                                 {"$ref": "#/$defs/b"}],
-                       "$defs": {"b": {"type": "object", "properties": {"b": {"type": "integer"}}}}}, "p")
+                       "enum": [{"not": 1}], "examples": [{"if": 2}]}, "p", strict=True)
+    check_json_schema({"allOf": [{"type": "integer"}]}, "p", strict=True)
+    check_json_schema({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "p", strict=True)
+
+
+def test_the_strict_flag_of_the_request_reaches_the_check():
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "null"}}}}
+    validate_request(dict(base, response_format=fmt), "chat").refuse_unsupported()  # strict unset: best effort
+    fmt["json_schema"]["strict"] = True
+    with pytest.raises(APIError) as e:
+        validate_request(dict(base, response_format=fmt), "chat").refuse_unsupported()
+    assert e.value.param == "response_format.json_schema.schema"
+    tool = {"type": "function", "function": {"name": "f", "strict": True,
+                                             "parameters": {"type": "object", "properties": {"a": {"not": {}}}}}}
+    with pytest.raises(APIError) as e:
+        validate_request(dict(base, tools=[tool]), "chat").refuse_unsupported()
+    assert e.value.param == "tools.[0].function.parameters"
