@@ -541,7 +541,8 @@ class Engine:
             if seqs[i].detokenizer is not None:
                 seqs[i].output_text += seqs[i].detokenizer.flush()
             self._finish(seqs[i], FinishReason.STOP)
-        keep = [i for i in range(len(seqs)) if i not in set(dead)]
+        gone = set(dead)
+        keep = [i for i in range(len(seqs)) if i not in gone]
         return batch[keep], [seqs[i] for i in keep]
 
     def _commit(self, seq: Sequence, token, now: float) -> float:
