@@ -28,6 +28,7 @@ import pytest
 
 from tests.integration.sched_cases import (Stream, cancel_all, load, prompt, request, stub_for, tenants, wait_for,
                                            worker)
+from tests.support.waits import join_all
 
 SLOTS = 30
 BULK_TOKENS = 1536  # outlasts the grace at 16 tokens an iteration shared by ~16 running requests
@@ -77,19 +78,15 @@ def test_case_sc3_through_the_gateway_with_tiers_from_the_tenants_file(sc3_worke
     bulk_preempted = before["bulk"].preemptions if "bulk" in before else 0
     tier_preempted = load(stub).tier_preemptions
     client = gw.client("bulk", timeout=600.0)
-    streams, stop = [], threading.Event()
+    stop = threading.Event()
 
     def bulk_stream(i: int) -> None:
         s = client.chat.completions.create(model="random-tiny", messages=[{"role": "user", "content": f"bulk job {i}"}],
                                            max_tokens=BULK_TOKENS, stream=True, extra_body={"ignore_eos": True})
-        streams.append(s)
-        try:
+        with s:  # closed by its own reader: a close from the test's thread can leave this read blocked
             for _ in s:
                 if stop.is_set():
                     break
-        except Exception:
-            if not stop.is_set():  # closing the stream from the test's thread ends the read with an error
-                raise
 
     threads = [threading.Thread(target=bulk_stream, args=(i,), daemon=True) for i in range(SLOTS)]
     for t in threads:
@@ -112,10 +109,7 @@ def test_case_sc3_through_the_gateway_with_tiers_from_the_tenants_file(sc3_worke
         assert by["bulk"].preemptions > bulk_preempted and after.tier_preemptions > tier_preempted
         assert by["chat"].preemptions == 0
     finally:
-        stop.set()
-        for s in list(streams):
-            s.close()
-        for t in threads:
-            t.join(60)
+        stop.set()  # each reader ends at its next chunk (bulk keeps decoding) and closes its stream
+        join_all(threads, "every bulk reader ended after the stop")
         wait_for(stub, lambda ld: ld.running == 0 and ld.waiting == 0 and ld.kv_blocks_used == 0,
                  "idle after closing every bulk stream (no KV block leaked)")
