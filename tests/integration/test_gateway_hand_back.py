@@ -122,7 +122,7 @@ def test_a_handed_back_request_whose_other_worker_fails_waits_where_it_was(gatew
         # The failed attempt leaves nothing running on the other worker. Its abort reaches that engine's
         # thread after the stream has already ended, so this waits on the engine state, not a snapshot.
         gone = lambda: (controls[other].tenant_load("hb-fail") or {"running": 0, "waiting": 0})  # noqa: E731
-        wait_for(lambda: gone()["running"] == 0 and gone()["waiting"] == 0,
+        wait_for(lambda: not any(gone()[k] for k in ("running", "waiting")),  # one GetLoad a poll
                  lambda: f"the failed attempt gone from the other worker; its load there: {gone()}")
         pool.release_and_finish("hb-fail")
         t.join(120)
