@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from fairshare.checks import require_at_least
+from worker.engine.step_threads import StepThreads
 from worker.engine.weights import make_argmax_head, make_embedding, make_linear, resolve_format, weight_bytes
 
 __all__ = ["ForwardItem", "ModelRunner", "KVPoolPlan", "plan_kv_pool"]
@@ -162,17 +163,21 @@ class ModelRunner:
     argmax_head: serve steps whose items are all `argmax_only` (at most `ArgmaxHead.max_rows` of
     them) through the screened head (`worker.engine.weights.ArgmaxHead`; CPU, tied LM head only);
     False: always the dense head.
+    step_threads: how many CPU threads each forward step runs on (`worker.engine.step_threads`;
+    default: torch's count at construction, small steps on one thread when OpenMP's waits sleep).
     Raises ValueError on bad sizes, a model without weights, or an unsupported format.
     Not thread-safe: one forward at a time.
     """
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, device: str = "cpu",
                  dtype: str | torch.dtype | None = "auto", quantization: str | None = "auto",
-                 argmax_head: bool = True) -> None:
+                 argmax_head: bool = True, step_threads: StepThreads | None = None) -> None:
         require_at_least(1, num_kv_blocks=num_kv_blocks, block_size=block_size)
         if not model.state_dict:
             raise ValueError(f"model {model.name!r} was loaded without weights")
         self.device = torch.device(device)
+        # on CUDA the CPU threads only launch kernels: every step keeps torch's count
+        self.step_threads = step_threads or StepThreads(min_rows=None if self.device.type != "cpu" else "auto")
         sd = model.state_dict
         self.format = resolve_format(sd, self.device, dtype, quantization)
         self.dtype = self.format.dtype
@@ -306,8 +311,9 @@ class ModelRunner:
         if not items:
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         self._validate(items)
+        rows = sum(len(it.token_ids) for it in items)
         with torch.inference_mode():
-            logits = self._forward(items)  # in the activation dtype
+            logits = self.step_threads.run(rows, self._forward, items)  # in the activation dtype
         # one copy, outside inference mode: a normal fp32 tensor callers may modify in place
         return logits.to(torch.float32, copy=True)
 
