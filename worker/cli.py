@@ -411,7 +411,8 @@ def startup_summary(engine) -> str:
     rss = resident_mb()
     share = "" if kv_resident is None else f", of which the KV pool {kv_resident:,.0f} MiB ({kv_resident / max(rss, 1):.0%})"
     return (f"{engine.model.name}: {runner.format.describe()}, {weights / 2**20:,.0f} MiB of weights "
-            f"({runner.weight_bytes / 2**20:,.0f} MiB read per forward step); {kv}; resident now {rss:,.0f} MiB{share}")
+            f"({runner.weight_bytes / 2**20:,.0f} MiB read per forward step); {runner.step_threads.describe()}; {kv}; "
+            f"resident now {rss:,.0f} MiB{share}")
 
 
 def passive_thread_wait() -> None:

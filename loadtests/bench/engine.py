@@ -3,7 +3,7 @@ and transformers (figures printed, never timed assertions in tests).
 
     fairshare bench engine  [--model smollm2] [--batches 1,8,32] [--new-tokens 32] [--prompt-len 16]
                             [--threads N] [--dtype auto] [--quantization auto] [--hf-batch 8]
-                            [--repeats 3] [--llama-cpp auto|off]
+                            [--repeats 3] [--step-threads auto|all] [--llama-cpp auto|off]
 
 `engine`: decode throughput of the reference engine (continuous batching, paged KV) at each batch
 size: output tokens per second (output tokens / wall seconds from submission to the last token,
@@ -100,11 +100,15 @@ def _ours(params: dict) -> dict:
     model.release_weights()
     release_freed_memory()
     runner = engine.runner
+    if params.get("step_threads") == "all":
+        from worker.engine.step_threads import StepThreads
+
+        runner.step_threads = StepThreads(min_rows=None)
     out = {"format": runner.format.describe(), "weight_bytes": runner.weight_bytes,
            "resident_weight_bytes": runner.resident_weight_bytes, "kv_bytes": runner.kv_cache_bytes,
            "rss_idle_mb": _rss_mb(), "threads": torch.get_num_threads(), "results": {},
            "step_bytes": {b: runner.step_weight_bytes(b, argmax_only=True) for b in params["batches"]},
-           "kv_resident_mb": resident_mb_of(runner.kv_cache)}
+           "kv_resident_mb": resident_mb_of(runner.kv_cache), "threads_note": runner.step_threads.describe()}
     _engine_tokens(engine, 1, params["prompt_len"], 4)  # warm-up
     for b in params["batches"]:
         out["results"][b] = _best_of(lambda: _engine_tokens(engine, b, params["prompt_len"], params["new_tokens"]),
@@ -228,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"])
     p.add_argument("--repeats", type=int, default=3, help="runs per batch size; the fastest is reported (default 3)")
+    p.add_argument("--step-threads", default="auto", choices=["auto", "all"],
+                   help="auto: the worker's rule (worker/engine/step_threads.py: with sleeping OpenMP waits a step "
+                        "of few token rows runs on one thread); all: every step on every thread, to compare")
     p.add_argument("--llama-cpp", default="auto", choices=["auto", "off"],
                    help="run llama.cpp on the same GGUF when llama-cpp-python is installed (default auto)")
     args = p.parse_args(argv)
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     params = {"model": args.model, "batches": [int(x) for x in args.batches.split(",")], "threads": threads,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "dtype": args.dtype,
-              "quantization": args.quantization, "repeats": args.repeats}
+              "quantization": args.quantization, "repeats": args.repeats, "step_threads": args.step_threads}
     print(f"model {args.model}; torch {torch.__version__}; {threads} threads; prompt {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens per sequence, greedy; fastest of {args.repeats} runs per batch size; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {_thread_wait()}", flush=True)
@@ -248,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{ours['weight_bytes'] / 2**20:,.0f} MiB read per forward step ({min(ours['step_bytes'].values()) / 2**20:,.0f} "
           f"MiB in greedy steps that take the screened LM head); KV pool {ours['kv_bytes'] / 2**20:,.0f} "
           f"MiB (virtual, lazily resident)", flush=True)
+    print(f"fairshare engine: {ours['threads_note']} (worker/engine/step_threads.py)", flush=True)
     for b, result in ours["results"].items():
         print(_row("fairshare engine", b, result, ours["step_bytes"][b], args.new_tokens), flush=True)
     kv_share = ("" if ours["kv_resident_mb"] is None else
