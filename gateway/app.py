@@ -7,7 +7,8 @@ renewal, the admin listener) and declares the HTTP routes:
   (gateway/completion.py: plan -> admission -> routing -> worker stream -> JSON or SSE -> settlement);
 - ``/v1/models``, ``/v1/models/{model}``: the models the tenant may use;
 - ``/healthz`` (the process runs), ``/readyz`` (Redis or a degrading tier, a worker serving, not
-  draining), ``/metrics`` (operators only), ``/openapi.json``.
+  draining; worker counts for anyone, each worker's state for operators), ``/metrics`` (operators
+  only), ``/openapi.json``.
 """
 
 from __future__ import annotations
@@ -171,9 +172,17 @@ def _operator_routes(app: FastAPI, settings: GatewaySettings) -> None:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
+    def operator(request: Request) -> bool:
+        """Whether the request may read operator data on the public port: ``public_metrics`` is set or
+        it carries the metrics token (``Authorization: Bearer <token>``)."""
+        if settings.public_metrics:
+            return True
+        given = bearer_key(request.headers.get("authorization")) or ""
+        return bool(metrics_token) and hmac.compare_digest(given.encode(), metrics_token.encode())
+
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
-        body = await _readiness(_gw(request))
+        body = await _readiness(_gw(request), detail=operator(request))
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")
@@ -181,13 +190,11 @@ def _operator_routes(app: FastAPI, settings: GatewaySettings) -> None:
         """Every tenant's figures: only for operators. Served here when ``public_metrics`` is set or
         to the bearer of ``metrics_token``; otherwise on the admin listener (``metrics_port``)."""
         gw = _gw(request)
-        if not settings.public_metrics:
-            given = bearer_key(request.headers.get("authorization")) or ""
-            if not (metrics_token and hmac.compare_digest(given.encode(), metrics_token.encode())):
-                where = (f"the admin listener (port {settings.metrics_port})" if settings.metrics_port
-                         else "the admin listener (--metrics-port)")
-                raise APIError(403, f"Metrics are not served to API clients on this port; operators scrape {where}"
-                               " or send the metrics token.", "invalid_request_error", None, "metrics_forbidden")
+        if not operator(request):
+            where = (f"the admin listener (port {settings.metrics_port})" if settings.metrics_port
+                     else "the admin listener (--metrics-port)")
+            raise APIError(403, f"Metrics are not served to API clients on this port; operators scrape {where}"
+                           " or send the metrics token.", "invalid_request_error", None, "metrics_forbidden")
         return Response(gw.metrics.render(), media_type=gw.metrics.content_type)
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -195,12 +202,16 @@ def _operator_routes(app: FastAPI, settings: GatewaySettings) -> None:
         return JSONResponse(openapi_doc)
 
 
-async def _readiness(gw: Gateway) -> dict[str, Any]:
+async def _readiness(gw: Gateway, detail: bool = False) -> dict[str, Any]:
     """The ``/readyz`` body: ready when Redis answers (or some tier degrades without it), a worker
-    serves and the gateway is not draining; an OpenAI error body added when not ready."""
-    workers = [{"addr": w.addr, "worker_id": w.worker_id or None, "healthy": w.healthy, "agrees": w.agrees,
-                "retired": w.retired, "usable": w.usable, "model": w.model, "inflight_tokens": w.load_score(),
-                "error": w.last_error or None} for w in gw.pool.workers]
+    serves and the gateway is not draining; an OpenAI error body added when not ready.
+
+    Anyone may read whether it is ready and how many workers it has (``workers_total``,
+    ``workers_healthy``, ``workers_usable``); `detail` (an operator: see ``operator`` in
+    `_operator_routes`) adds each worker's address, id, state, model, in-flight tokens and last
+    error (``workers``) and the models served (``models``): worker addresses are the cluster's
+    layout, and their in-flight tokens would let any client watch the other tenants' traffic."""
+    pool = gw.pool.workers
     try:
         redis_ok = bool(await gw.redis.ping())
     except (RedisError, OSError):
@@ -209,7 +220,13 @@ async def _readiness(gw: Gateway) -> dict[str, Any]:
     degraded = not redis_ok and any(gw.settings.outage_policy(t) == "degrade" for t in Tier)
     ready = (redis_ok or degraded) and gw.pool.ready() and not gw.draining
     body = {"ready": ready, "redis": redis_ok, "degraded": degraded, "draining": gw.draining,
-            "workers": workers, "models": gw.pool.model_names()}
+            "workers_total": len(pool), "workers_healthy": sum(w.healthy for w in pool),
+            "workers_usable": sum(w.usable for w in pool)}
+    if detail:
+        body["workers"] = [{"addr": w.addr, "worker_id": w.worker_id or None, "healthy": w.healthy,
+                            "agrees": w.agrees, "retired": w.retired, "usable": w.usable, "model": w.model,
+                            "inflight_tokens": w.load_score(), "error": w.last_error or None} for w in pool]
+        body["models"] = gw.pool.model_names()
     if not ready:
         why = ("draining" if gw.draining else "Redis unreachable" if not (redis_ok or degraded)
                else "no worker serving")

@@ -135,11 +135,24 @@ def wait_ready(base_url: str, timeout_s: float = 120.0) -> None:
 
     def ready() -> bool:
         with urllib.request.urlopen(base_url + "/readyz", timeout=5) as r:
-            return r.status == 200 and all(w["healthy"] for w in json.loads(r.read())["workers"])
+            body = json.loads(r.read())
+            return r.status == 200 and body["workers_healthy"] == body["workers_total"]
 
     wait_for(ready, f"gateway {base_url} ready, every worker healthy", timeout_s, interval_s=0.05, ignore=(OSError,))
 
 GATEWAY_TEST_SECRET = "gateway-test-secret"
+GATEWAY_TEST_METRICS_TOKEN = "gateway-test-metrics-token"  # a test gateway's default metrics token
+
+
+def readyz_detail(base_url: str, metrics_token: str, timeout_s: float = 5.0) -> dict:
+    """The operator's /readyz body (each worker's address and state, the models), read with the metrics
+    token; raises AssertionError when the gateway did not give the detail."""
+    import httpx
+
+    body = httpx.get(base_url + "/readyz", headers={"authorization": f"Bearer {metrics_token}"},
+                     timeout=timeout_s).json()
+    assert "workers" in body, f"/readyz gave no worker detail to the metrics token: {body}"
+    return body
 
 
 class GatewayHandle:
@@ -161,6 +174,10 @@ class GatewayHandle:
     @property
     def app(self):
         return self.server.app
+
+    def readyz(self) -> dict:
+        """/readyz as an operator sees it (with this gateway's metrics token)."""
+        return readyz_detail(self.base_url, self.settings.metrics_token_value())
 
     def client(self, tenant_id: str, **kw):
         """Official `openai` client for a tenant's key (no automatic retries)."""
@@ -221,6 +238,7 @@ def gateway_factory(redis_url, worker_addr, tmp_path_factory):
         keys = {t["id"]: create_key(GATEWAY_TEST_SECRET.encode(), t["id"], d / "tenants.keys.yaml")[0]
                 for t in tenants}
         overrides.setdefault("redis_url", redis_url)
+        overrides.setdefault("metrics_token", GATEWAY_TEST_METRICS_TOKEN)
         settings = GatewaySettings(tenants_file=tf, workers=[worker_addr] if workers is None else workers,
                                    secret=GATEWAY_TEST_SECRET, **overrides)
         server = ServerThread(create_app(settings)).start()

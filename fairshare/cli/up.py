@@ -23,6 +23,8 @@ What it does, in order:
        tenants.keys.yaml   API-key digests (written by `fairshare keys create`; no plain keys)
        worker-keys         the key the gateway signs every worker call with and the workers verify
                            (fairshare/worker_auth.py; mode 0600), generated once
+       metrics-token       the gateway's metrics token (mode 0600), generated once: its bearer reads
+                           /metrics and the workers' detail in /readyz on the public port
        redis/              Redis working directory (no persistence)
        logs/               worker.log, gateway.log, redis.log
        run.json            pids and ports of the running children and the metrics URLs
@@ -98,8 +100,11 @@ class UpError(Exception):
 # State directory
 # --------------------------------------------------------------------------------------------
 
+METRICS_TOKEN_FILE = "metrics-token"
+
+
 def ensure_secret(path: Path) -> None:
-    """Create the server secret once (mode 0600); leave an existing one alone."""
+    """Create the server secret (or the metrics token) once (mode 0600); leave an existing one alone."""
     create_private_file(path, secrets.token_urlsafe(32) + "\n")
 
 
@@ -195,10 +200,12 @@ def worker_model_name(addr: str, default: str) -> str:
         return default
 
 
-def gateway_routes_to(url: str, addr: str) -> bool:
-    """True when the gateway at `url` is ready and routes to the worker at `addr` (healthy, agreeing)."""
+def gateway_routes_to(url: str, addr: str, metrics_token: str) -> bool:
+    """True when the gateway at `url` is ready and routes to the worker at `addr` (healthy, agreeing);
+    `metrics_token`: the gateway's, which /readyz asks before it lists the workers."""
+    req = urllib.request.Request(url + "/readyz", headers={"Authorization": f"Bearer {metrics_token}"})
     try:
-        with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+        with urllib.request.urlopen(req, timeout=2) as r:
             body = json.loads(r.read())
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -291,7 +298,8 @@ def gateway_command(args, state: Path) -> list[str]:
            "--tenants", str(state / "tenants.yaml"), "--keys-file", str(state / "tenants.keys.yaml"),
            "--workers", ",".join(f"127.0.0.1:{p}" for p in worker_ports(args)),
            "--redis-url", f"redis://127.0.0.1:{args.redis_port}/0",
-           "--secret-file", str(state / "secret"), "--worker-keys-file", str(state / "worker-keys")]
+           "--secret-file", str(state / "secret"), "--worker-keys-file", str(state / "worker-keys"),
+           "--metrics-token-file", str(state / METRICS_TOKEN_FILE)]
     if getattr(args, "gateway_metrics_port", None):
         cmd += ["--metrics-port", str(args.gateway_metrics_port), "--metrics-host", "127.0.0.1"]
     return cmd + args._pass.argv(args, GATEWAY)
@@ -555,6 +563,8 @@ def _run(args, state: Path, sup: Supervisor) -> int:
     tenants_file = state / "tenants.yaml"
     keys_file = state / "tenants.keys.yaml"
     ensure_secret(secret_file)
+    ensure_secret(state / METRICS_TOKEN_FILE)
+    metrics_token = (state / METRICS_TOKEN_FILE).read_text(encoding="utf-8").strip()
     if not tenants_file.exists():
         write_demo_tenants(tenants_file)
         print(f"fairshare up: first run: wrote demo tenants (acme weight 1, globex weight 3) to {tenants_file}")
@@ -598,7 +608,7 @@ def _run(args, state: Path, sup: Supervisor) -> int:
         return ChildSpec(name, lambda children: spawn(name, worker_command(args, i, worker_keys), logs / f"{name}.log",
                                                       echo=echo, children=children),
                          lambda: worker_ready(addr), WORKER_READY_TIMEOUT_S,
-                         serving=(lambda: gateway_routes_to(probe, addr)) if announced else None,
+                         serving=(lambda: gateway_routes_to(probe, addr, metrics_token)) if announced else None,
                          back_note="the gateway routes to it again" if announced else "")
 
     specs = {

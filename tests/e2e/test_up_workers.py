@@ -14,12 +14,13 @@ import signal
 import stat
 
 import grpc
-import httpx
 import openai
 import pytest
 
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from fairshare.cli.up import METRICS_TOKEN_FILE
+from tests.conftest import readyz_detail
 from tests.e2e.conftest import assert_all_stopped, start_up
 from tests.reliability.conftest import wait_until
 
@@ -27,7 +28,9 @@ pytestmark = pytest.mark.e2e
 
 
 def routed(up) -> dict[str, bool]:
-    return {w["addr"]: w["healthy"] and w["agrees"] for w in httpx.get(up.url + "/readyz", timeout=5).json()["workers"]}
+    """The gateway's workers, as `fairshare up`'s metrics token reads them in /readyz: addr -> usable."""
+    token = (up.state_dir / METRICS_TOKEN_FILE).read_text().strip()
+    return {w["addr"]: w["healthy"] and w["agrees"] for w in readyz_detail(up.url, token)["workers"]}
 
 
 def finished(addr: str, tenant: str) -> int:

@@ -116,8 +116,19 @@ def test_stream_equals_non_stream(gw):
 
 def test_health_ready_metrics(gw):
     assert httpx.get(gw.base_url + "/healthz").json() == {"status": "ok"}
-    ready = httpx.get(gw.base_url + "/readyz")
-    assert ready.status_code == 200 and ready.json()["redis"] and ready.json()["models"] == [MODEL]
+    # anyone learns whether it is ready and how many workers it has; not where they are, their load
+    # (other tenants' traffic) or the models: those are for the metrics token, not for a tenant's key
+    for h in ({}, {"authorization": f"Bearer {gw.keys['api-a']}"}):
+        ready = httpx.get(gw.base_url + "/readyz", headers=h)
+        body = ready.json()
+        assert ready.status_code == 200 and body["redis"] and body["ready"]
+        assert (body["workers_total"], body["workers_healthy"], body["workers_usable"]) == (1, 1, 1)
+        assert not {"workers", "models"} & set(body), body
+        assert gw.settings.workers[0] not in ready.text
+    detail = httpx.get(gw.base_url + "/readyz", headers={"authorization": f"Bearer {METRICS_TOKEN}"}).json()
+    assert detail["models"] == [MODEL]
+    assert [(w["addr"], w["usable"]) for w in detail["workers"]] == [(gw.settings.workers[0], True)]
+    assert set(detail["workers"][0]) >= {"inflight_tokens", "worker_id", "error"}
     gw.client("api-a").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
     # every tenant's figures: refused to API clients (even with a valid key), served to the metrics token
     for h in ({}, {"authorization": f"Bearer {gw.keys['api-a']}"}):

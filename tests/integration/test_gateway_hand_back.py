@@ -94,7 +94,7 @@ def test_a_request_handed_back_completes_on_the_other_worker(gateway_factory, tw
         metrics = pool.metrics()
         assert f'fairshare_gateway_hand_backs_total{{worker="{full}"}} 1.0' in metrics
         assert "fairshare_gateway_worker_retries_total{" not in metrics  # a hand-back is no failure
-        ready = httpx.get(pool.gw.base_url + "/readyz").json()
+        ready = pool.gw.readyz()
         assert all(w["healthy"] for w in ready["workers"])  # the full worker was not marked failed
         pool.release_and_finish("hb")
     finally:

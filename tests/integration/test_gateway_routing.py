@@ -240,7 +240,7 @@ def test_disagreeing_or_unhealthy_worker_is_not_used(gateway_factory, proxies):
     other = proxies("other_template")
     good = proxies("record")
     gw = gateway_factory([{"id": "agree"}], workers=[good.addr, other.addr])
-    ready = httpx.get(gw.base_url + "/readyz").json()
+    ready = gw.readyz()
     by_addr = {w["addr"]: w for w in ready["workers"]}
     assert by_addr[good.addr]["agrees"] and not by_addr[other.addr]["agrees"]
     client = gw.client("agree")
@@ -268,7 +268,7 @@ def test_local_tokenizer_decides_which_workers_agree(gateway_factory, proxies, w
     other = proxies("other_template_consistent")
     good = proxies("record")
     gw = gateway_factory([{"id": "local-tok"}], workers=[other.addr, good.addr], tokenizer=tmp_path)
-    by_addr = {w["addr"]: w for w in httpx.get(gw.base_url + "/readyz").json()["workers"]}
+    by_addr = {w["addr"]: w for w in gw.readyz()["workers"]}
     assert by_addr[good.addr]["agrees"] and not by_addr[other.addr]["agrees"]
     client = gw.client("local-tok")
     for _ in range(3):

@@ -16,7 +16,6 @@ import threading
 import time
 
 import grpc
-import httpx
 import pytest
 
 from fairshare.ports import free_port
@@ -33,7 +32,7 @@ TENANTS = [{"id": TENANT, "limits": {"rpm": 100000, "tpm": 10000000, "max_concur
 
 def routing_table(gw: GatewayProcess) -> dict[str, dict]:
     """The gateway's workers as /readyz lists them (addr -> entry)."""
-    return {w["addr"]: w for w in httpx.get(gw.base_url + "/readyz", timeout=5).json()["workers"]}
+    return {w["addr"]: w for w in gw.readyz()["workers"]}
 
 
 def usable(gw: GatewayProcess, addr: str) -> bool:

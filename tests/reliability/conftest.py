@@ -33,7 +33,7 @@ from fairshare.local_redis import start_redis
 from fairshare.ports import free_port, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
-from tests.conftest import ROOT, worker_command
+from tests.conftest import GATEWAY_TEST_METRICS_TOKEN, ROOT, readyz_detail, worker_command
 from tests.support.control_client import WorkerControl
 from tests.support.waits import DEFAULT_TIMEOUT_S, wait_for
 
@@ -166,7 +166,8 @@ def wait_ready(base_url: str, timeout_s: float = DEFAULT_TIMEOUT_S, proc: subpro
         except (httpx.HTTPError, OSError):
             return False
         last["body"] = r.text[:1000]
-        return r.status_code == 200 and all(w["healthy"] and w["agrees"] for w in r.json()["workers"])
+        body = r.json()
+        return r.status_code == 200 and body["workers_usable"] == body["workers_total"]
 
     wait_for(ready, lambda: f"gateway {base_url} ready with every worker usable; /readyz {last.get('body')}",
              timeout_s)
@@ -176,10 +177,14 @@ def wait_ready(base_url: str, timeout_s: float = DEFAULT_TIMEOUT_S, proc: subpro
 
 class _TenantClients:
     """What both gateway handles give a test: an official openai client or bearer headers for a
-    tenant (needs `base_url` and `keys`: tenant -> API key)."""
+    tenant (needs `base_url` and `keys`: tenant -> API key), and /readyz as an operator sees it."""
 
     base_url: str
     keys: dict[str, str]
+
+    def readyz(self) -> dict:
+        """/readyz with the test gateways' metrics token: each worker's address and state."""
+        return readyz_detail(self.base_url, GATEWAY_TEST_METRICS_TOKEN)
 
     def client(self, tenant: str, **kw):
         import openai
@@ -202,6 +207,7 @@ class InProcessGateway(_TenantClients):
 
         self.tenants_file, self.keys = write_tenants(d, tenants)
         overrides.setdefault("key_prefix", "fs-rel-" + d.name)
+        overrides.setdefault("metrics_token", GATEWAY_TEST_METRICS_TOKEN)
         self.settings = GatewaySettings(tenants_file=self.tenants_file, workers=workers, redis_url=redis_url,
                                         secret=SECRET, **overrides)
         self.prefix = self.settings.key_prefix
@@ -244,7 +250,8 @@ class GatewayProcess(_TenantClients):
         cmd = [sys.executable, "-m", "fairshare.cli", "gateway", "--host", "127.0.0.1", "--port", str(self.port),
                "--tenants", str(self.tenants_file), "--workers", ",".join(workers), "--redis-url", redis_url, *args]
         e = {k: v for k, v in os.environ.items() if not k.startswith("FAIRSHARE_") or k == "FAIRSHARE_WORKER_KEYS"}
-        e.update({"FAIRSHARE_SECRET": SECRET, "FAIRSHARE_HEALTH_INTERVAL_S": "0.3", "PYTHONUNBUFFERED": "1"})
+        e.update({"FAIRSHARE_SECRET": SECRET, "FAIRSHARE_HEALTH_INTERVAL_S": "0.3", "PYTHONUNBUFFERED": "1",
+                  "FAIRSHARE_METRICS_TOKEN": GATEWAY_TEST_METRICS_TOKEN})
         e.update(env or {})
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=e,

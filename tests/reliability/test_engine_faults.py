@@ -171,7 +171,7 @@ def test_five_faults_in_a_row_fail_the_worker_and_the_gateway_routes_around_it(w
         ca.inject("forward_error", tenant="ff", times=1)
         until_faults_used(5)
         assert health(a_addr) == health_pb2.HealthCheckResponse.NOT_SERVING
-        wait_until(lambda: {w["addr"]: w["healthy"] for w in httpx.get(gw.base_url + "/readyz").json()["workers"]}
+        wait_until(lambda: {w["addr"]: w["healthy"] for w in gw.readyz()["workers"]}
                    == {a_addr: False, worker_addr: True}, "the gateway sees A unhealthy and B healthy")
         arrivals = lambda: sum(e["kind"] == "arrival" for e in ca.events())  # noqa: E731
         on_a = arrivals()

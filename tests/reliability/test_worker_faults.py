@@ -131,7 +131,7 @@ def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
                 assert r.json()["choices"][0]["finish_reason"] == "length"
 
         # the dead worker is marked unhealthy at once, without waiting for the 30 s health poll
-        ready = httpx.get(gw.base_url + "/readyz").json()
+        ready = gw.readyz()
         state = {w["addr"]: w["healthy"] for w in ready["workers"]}
         assert state == {victim_addr: False, survivor_addr: True}, ready
         # new requests go to the survivor
