@@ -26,7 +26,8 @@ from .tools import MAX_JSON_WHITESPACE, ToolCallParser
 
 
 def grammar_for(req: ChatCompletionRequest, parser: ToolCallParser) -> tuple[pb.Grammar | None, str | None]:
-    """(grammar or None, the request parameter it comes from: ``response_format`` or ``tool_choice``).
+    """(grammar or None, the request parameter a worker's compile error names: ``response_format``, or
+    ``tools`` when the request forces tool calls).
 
     Raises APIError 400 when the request forces tool calls and the model's tool-call format cannot
     express them (parser ``none``)."""
@@ -41,7 +42,8 @@ def grammar_for(req: ChatCompletionRequest, parser: ToolCallParser) -> tuple[pb.
                 raise invalid_request(f"tool_choice {'required' if forced is None else 'naming a function'} is not "
                                       f"supported for this model (its tool-call parser is '{parser.name}').",
                                       "tool_choice", "unsupported_value")
-            return pb.Grammar(structural_tag=json.dumps(tag, ensure_ascii=False)), "tool_choice"
+            # what the worker may fail to compile here is a function's parameters schema
+            return pb.Grammar(structural_tag=json.dumps(tag, ensure_ascii=False)), "tools"
         tag = parser.structural_tag(tools, None, parallel) if fmt is not None else None
         if tag is not None:  # auto: tool calls, or else the JSON answer
             answer = {"type": "json_schema", "json_schema": fmt, "max_whitespace_cnt": MAX_JSON_WHITESPACE}

@@ -134,6 +134,12 @@ def test_auto_without_a_call_is_plain_content_and_tools_reach_the_prompt(gw):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]},
      "tools.[0].function.parameters"),
     ({"tools": [WEATHER, WEATHER]}, "tools.[1].function.name"),
+    # valid for the metaschema and compiles, but no arguments satisfy it: a forced call used to end
+    # as a 200 holding the call's cut-off opening as content and no tool_calls
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"tools": TOOLS, "messages": ASK + [{"role": "tool", "content": "18C"}]}, "messages.[1].tool_call_id"),
 ])
 def test_bad_tool_input_is_a_400_and_leaves_no_lease(gw, extra, param):

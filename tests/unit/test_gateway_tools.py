@@ -128,7 +128,7 @@ def test_forced_tool_choice_grammar_accepts_exactly_well_formed_calls(compiler, 
     req = validate_request(body, "chat")
     req.refuse_unsupported()
     grammar, param = grammar_for(req, get_parser("hermes"))
-    assert param == "tool_choice" and grammar.WhichOneof("kind") == "structural_tag"
+    assert param == "tools" and grammar.WhichOneof("kind") == "structural_tag"
     compiled = compiler.compile("structural_tag", grammar.structural_tag)
     for text in good:
         assert _accepts(compiled, text), text

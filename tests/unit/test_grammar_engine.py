@@ -157,6 +157,30 @@ def test_a_schema_no_output_satisfies_is_invalid_at_compile_time(engine, source)
         engine.compile_grammar("json_schema", source)
 
 
+def _tool_tag(parameters: dict) -> str:
+    """A forced-call structural tag as the gateway builds it (gateway/tools.py, hermes) for one tool."""
+    from gateway.tools import get_parser
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    return json.dumps(get_parser("hermes").structural_tag(tools, None, True))
+
+
+@pytest.mark.parametrize("schema", [{"$ref": "#"}, {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}])
+def test_a_structural_tag_holding_a_schema_nothing_satisfies_is_invalid(engine, schema):
+    """The tag itself allows a first token (the call's fixed opening), and its tool's parameters then
+    allow none: before, the request got a 200 whose content was the cut-off opening and no tool call;
+    now the schema is refused at compile time, named by the text before it. The same tag with a
+    satisfiable schema compiles; so does the answer's schema inside an 'or' with the calls."""
+    with pytest.raises(InvalidGrammar, match=r"the JSON schema after .*\"name\": \"f\".*allows no first token"):
+        engine.compile_grammar("structural_tag", _tool_tag(schema))
+    engine.compile_grammar("structural_tag", _tool_tag({"type": "object", "properties": {"x": {"type": "integer"}}}))
+    calls = json.loads(_tool_tag({"type": "object"}))["format"]
+    either = {"type": "structural_tag", "format": {"type": "or", "elements": [
+        calls, {"type": "json_schema", "json_schema": schema}]}}
+    with pytest.raises(InvalidGrammar, match="the JSON schema of the answer"):
+        engine.compile_grammar("structural_tag", json.dumps(either))
+
+
 class DeadEndAfter(Constraint):
     """The real grammar for `n` tokens, then a mask that allows nothing (a grammar at a dead end, which
     xgrammar's own grammars should never reach: the engine's guard is what is under test)."""

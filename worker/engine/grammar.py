@@ -99,7 +99,21 @@ class GrammarCompiler:
         if not Constraint(constraint).allows_any():
             # e.g. the schema {"$ref": "#"}: it compiles, and no token can start an output of it
             raise InvalidGrammar(f"invalid {kind}: no output satisfies it (the grammar allows no first token)")
+        if kind == "structural_tag":
+            self._check_embedded_schemas(source)
         return constraint
+
+    def _check_embedded_schemas(self, source: str) -> None:
+        """Each JSON schema inside a structural tag (a tool's parameters, the answer's schema) must
+        admit a value: the tag as a whole may still allow a first token (a tool call's fixed
+        opening) and then reach a dead end inside it, e.g. a tool whose parameters are
+        ``{"$ref": "#"}``. Raises InvalidGrammar naming the schema by the text before it."""
+        for schema, where in _embedded_schemas(json.loads(source), ""):
+            try:
+                self.compile("json_schema", json.dumps(schema))
+            except InvalidGrammar as exc:
+                raise InvalidGrammar(f"invalid structural_tag: the JSON schema {where}: "
+                                     f"{str(exc).removeprefix('invalid json_schema: ')}") from None
 
     def _compile(self, kind: str, source: str):
         compiler = self._get()
@@ -118,6 +132,22 @@ class GrammarCompiler:
             raise InvalidGrammar(f"invalid {kind}: {_clean(exc)}") from None
         except Exception as exc:  # xgrammar raises RuntimeError (and its own types) from C++
             raise InvalidGrammar(f"invalid {kind}: {_clean(exc)}") from None
+
+
+def _embedded_schemas(node, begin: str):
+    """(schema, where) for every ``{"type": "json_schema", "json_schema": S}`` element in a structural
+    tag's JSON, `where` naming it by the fixed text of the tag it is the content of (for a tool
+    call, its opening with the function's name)."""
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            yield node["json_schema"], (f"after {begin!r}" if begin else "of the answer")
+            return
+        tag_begin = node.get("begin") if node.get("type") == "tag" and isinstance(node.get("begin"), str) else begin
+        for key, value in node.items():
+            yield from _embedded_schemas(value, tag_begin if key == "content" else begin)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _embedded_schemas(value, begin)
 
 
 def _bitmask_without(vocab: list[bytes], vocab_size: int, banned: frozenset[int], keep: set[int]) -> torch.Tensor:
