@@ -83,6 +83,27 @@ def test_runner_runs_small_steps_on_one_thread_with_the_same_logits(two_threads)
     torch.testing.assert_close(first[1], decode_out, atol=1e-5, rtol=0)
 
 
+def test_the_engine_threads_own_count_is_what_it_narrows(two_threads):
+    """The worker runs its engine loop in a thread of its own: torch's count is per calling thread
+    under OpenMP, so the narrowing must show in that thread's steps (and leave it at 2 after)."""
+    import threading
+
+    st = StepThreads(2, min_rows=16)
+    seen: list[int] = []
+
+    def loop():
+        seen.append(torch.get_num_threads())
+        seen.append(st.run(1, torch.get_num_threads))
+        seen.append(st.run(32, torch.get_num_threads))
+        seen.append(torch.get_num_threads())
+
+    t = threading.Thread(target=loop)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the engine-like thread never finished"
+    assert seen == [2, 1, 2, 2], seen
+
+
 def test_a_cpu_runner_follows_the_wait_policy_by_default(monkeypatch):
     model = load_model("random-tiny", progress=False)
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
