@@ -2,12 +2,14 @@
 
     .venv/bin/python scripts/gateway_cpu_pair.py BASE_DIR OTHER_DIR [--rounds 20] [--requests 600]
                                                  [--concurrency 32] [--modes non-stream,stream]
+                                                 [--client auto|wrk|httpx] [--wrk-seconds 3]
 
 On a shared, busy machine one `fairshare bench gateway` run moves by a fifth from one run to the
 next, more than most changes to the gateway. Here one echo worker (the bench's) and one Redis serve
 two gateways at once, ``fairshare gateway`` started from each checkout, both pinned to the first CPU
 (the load generator, the echo worker and Redis on the others, as the bench places them). Rounds of
-`--requests` chat completions at `--concurrency` alternate between the two (ABBA order), each
+`--requests` chat completions at `--concurrency` (with wrk, the default where it is installed:
+`--wrk-seconds` of load, which keeps the gateway at its full CPU) alternate between the two (ABBA order), each
 gateway's CPU time (``/proc``, all its threads) is read around its own round, and the ratio
 OTHER / BASE is taken round by round: both sides of a pair see the same load on the machine.
 
@@ -36,6 +38,7 @@ from fairshare.ports import free_port
 from gateway.auth import create_key
 from loadtests.bench.gateway import (ECHO_MODEL, EchoServer, _run_load, chat_completion, process_cpu_s,
                                      stop_processes, wait_gateway_ready)
+from loadtests.bench.wrk import run_wrk, wrk_path
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello how are you today"}]
 
@@ -73,6 +76,8 @@ async def measure(ports: list[tuple[int, subprocess.Popen]], key: str, args, str
         return lambda: chat_completion(c, body, 16)
 
     cpu: list[list[float]] = [[] for _ in ports]
+    if args.client == "wrk":
+        return await _measure_wrk(ports, key, args, body, "data: [DONE]" if stream else '"completion_tokens":16')
     for port, _ in ports:  # warm-up
         async with client(port) as c:
             await _run_load(caller(c), 300, args.concurrency)
@@ -88,6 +93,24 @@ async def measure(ports: list[tuple[int, subprocess.Popen]], key: str, args, str
     return cpu
 
 
+async def _measure_wrk(ports, key: str, args, body: dict, marker: str) -> list[list[float]]:
+    """`measure` with wrk as the client: each round is a wrk run of ``--wrk-seconds`` per gateway
+    (every answer checked for `marker`), its CPU time divided by the requests wrk counted."""
+    cpu: list[list[float]] = [[] for _ in ports]
+    for port, _ in ports:  # warm-up
+        await asyncio.to_thread(run_wrk, f"http://127.0.0.1:{port}/v1/chat/completions", body, key, marker,
+                                args.concurrency, 1)
+    for r in range(args.rounds):
+        order = list(range(len(ports))) if r % 2 == 0 else list(reversed(range(len(ports))))
+        for i in order:
+            port, proc = ports[i]
+            c0 = process_cpu_s(proc.pid)
+            res = await asyncio.to_thread(run_wrk, f"http://127.0.0.1:{port}/v1/chat/completions", body, key,
+                                          marker, args.concurrency, args.wrk_seconds)
+            cpu[i].append((process_cpu_s(proc.pid) - c0) * 1000 / max(1, res.requests))
+    return cpu
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("base", type=Path, help="checkout the ratio divides by")
@@ -96,7 +119,13 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=600, help="requests per gateway per round")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--modes", default="non-stream,stream")
+    p.add_argument("--client", choices=("auto", "wrk", "httpx"), default="auto",
+                   help="load generator: wrk (saturates the gateway; loadtests/bench/wrk.py), httpx, "
+                        "auto: wrk when it is on PATH")
+    p.add_argument("--wrk-seconds", type=float, default=3.0, help="with wrk: seconds per gateway per round")
     args = p.parse_args()
+    if args.client == "auto":
+        args.client = "wrk" if wrk_path() else "httpx"
     trees = [args.base.resolve(), args.other.resolve()]
     cpus = sorted(os.sched_getaffinity(0))
     gw_cpus, load_cpus = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (None, None)
@@ -120,7 +149,8 @@ def main() -> int:
                 procs.append(ports[-1][1])
             for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
                 cpu = asyncio.run(measure(ports, key, args, mode == "stream"))
-                print(f"{mode}: CPU ms per request ({args.rounds} rounds of {args.requests} at c={args.concurrency})")
+                size = f"{args.wrk_seconds:g} s of wrk" if args.client == "wrk" else f"{args.requests} requests"
+                print(f"{mode}: CPU ms per request ({args.rounds} rounds of {size} at c={args.concurrency})")
                 for tree, v in zip(trees, cpu):
                     print(f"  {str(tree):40} min {min(v):.3f}  median {statistics.median(v):.3f}  max {max(v):.3f}")
                 ratios = [o / b for b, o in zip(cpu[0], cpu[1])]

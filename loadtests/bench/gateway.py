@@ -250,6 +250,12 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
         # warm up both paths
         await _run_load(direct, 50, 4)
         await _run_load(via_gateway, 50, 4)
+        if args.client == "wrk":
+            out = await _wrk_figures(args, direct, f"{gateway_url}/v1/chat/completions", body, key,
+                                     "data: [DONE]" if stream else f'"completion_tokens":{args.max_tokens}',
+                                     gateway_pid)
+            await channel.close()
+            return out
         paths = {"direct": direct, "gateway": via_gateway}
         # latency: the two paths alternate request by request, so both see the same background noise
         lat1: dict[str, list[float]] = {name: [] for name in paths}
@@ -279,6 +285,49 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
         out["gateway"]["cpu_share"] = cpu_s / wall["gateway"]
     await channel.close()
     return out
+
+
+async def _wrk_figures(args, direct, url: str, body: dict, key: str, marker: str, gateway_pid: int) -> dict:
+    """The figures of `_bench_mode` with wrk as the gateway path's client (loadtests/bench/wrk.py):
+    the two paths alternate in halves (direct: `direct()` calls, as with httpx; gateway: a wrk run of
+    ``--wrk-seconds / 2``), at concurrency 1 and then at ``--concurrency``; the gateway's CPU time
+    is taken over its wrk runs at ``--concurrency``."""
+    from .wrk import run_wrk
+
+    half_s = args.wrk_seconds / 2
+    lat1: list[float] = []
+    lat_gw1: list = []
+    for part in (args.latency_requests // 2, args.latency_requests - args.latency_requests // 2):
+        for _ in range(part):
+            t = time.perf_counter()
+            await direct()
+            lat1.append(time.perf_counter() - t)
+        lat_gw1.append(await asyncio.to_thread(run_wrk, url, body, key, marker, 1, half_s))
+    latc: list[float] = []
+    wall_direct = 0.0
+    runs = []
+    cpu_s = 0.0
+    for part in (args.requests // 2, args.requests - args.requests // 2):
+        lats, w = await _run_load(direct, part, args.concurrency)
+        latc += lats
+        wall_direct += w
+        c0 = process_cpu_s(gateway_pid)
+        runs.append(await asyncio.to_thread(run_wrk, url, body, key, marker, args.concurrency, half_s))
+        cpu_s += process_cpu_s(gateway_pid) - c0
+    n_gw = sum(r.requests for r in runs)
+    wall_gw = sum(r.wall_s for r in runs)
+
+    def _avg(results, attr: str) -> float:  # request-weighted mean of the halves' figures (s -> ms)
+        return sum(getattr(r, attr) * r.requests for r in results) / max(1, sum(r.requests for r in results)) * 1000
+
+    return {"direct": {"p50_ms": percentile(lat1, 50) * 1000, "p99_ms": percentile(lat1, 99) * 1000,
+                       "mean_ms": statistics.fmean(lat1) * 1000, "rps": args.requests / wall_direct,
+                       "p50_ms_loaded": percentile(latc, 50) * 1000, "p99_ms_loaded": percentile(latc, 99) * 1000},
+            "gateway": {"p50_ms": _avg(lat_gw1, "p50_s"), "p99_ms": _avg(lat_gw1, "p99_s"),
+                        "mean_ms": _avg(lat_gw1, "mean_s"), "rps": n_gw / wall_gw,
+                        "p50_ms_loaded": _avg(runs, "p50_s"), "p99_ms_loaded": _avg(runs, "p99_s"),
+                        "cpu_ms_per_request": cpu_s * 1000 / max(1, n_gw), "cpu_share": cpu_s / wall_gw,
+                        "requests": n_gw, "latency_requests": sum(r.requests for r in lat_gw1)}}
 
 
 def _tokenizer_files(args):
@@ -322,12 +371,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="a model directory whose tokenizer.json and chat template the echo worker serves "
                         "(default: a small word-level tokenizer)")
+    p.add_argument("--client", choices=("auto", "wrk", "httpx"), default="auto",
+                   help="the gateway path's HTTP client: wrk (C, negligible cost of its own; loadtests/bench/wrk.py), "
+                        "httpx (Python: its own CPU time adds to the latencies and can cap the requests/s), "
+                        "auto: wrk when it is on PATH")
+    p.add_argument("--wrk-seconds", type=float, default=10.0,
+                   help="with wrk: seconds of gateway load per figure (concurrency 1, --concurrency), in two halves")
     p.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = p.parse_args(argv)
     modes = ["stream"] if args.stream else [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("non-stream", "stream") for m in modes):
         p.error("--modes takes non-stream and/or stream")
 
+    from .wrk import wrk_path
+
+    if args.client == "wrk" and wrk_path() is None:
+        p.error("--client wrk: wrk is not on PATH (Debian: apt-get install wrk)")
+    if args.client == "auto":
+        args.client = "wrk" if wrk_path() else "httpx"
+        if args.client == "httpx":
+            print("fairshare bench gateway: wrk is not on PATH (Debian: apt-get install wrk); the gateway path's "
+                  "client is httpx, whose own CPU time adds to its latencies and can cap its requests/s",
+                  file=sys.stderr)
     gw_cpus, load_cpus = _placement(args)
     own_cpus = os.sched_getaffinity(0) if load_cpus is not None else None
     if load_cpus is not None:  # before the echo worker's threads start: threads and children inherit it
@@ -406,19 +471,25 @@ def _report(args, results: dict[str, dict], gw_cpus: set[int] | None, load_cpus:
     where = ("unpinned" if gw_cpus is None else
              f"gateway pinned to CPU {','.join(map(str, sorted(gw_cpus)))}; load generator, echo worker and Redis "
              f"on CPU {','.join(map(str, sorted(load_cpus or ())))}")
+    client = ("wrk (one thread; its latency histogram)" if args.client == "wrk" else "httpx (Python)")
     print(f"gateway overhead vs direct gRPC to an echo worker ({args.max_tokens} tokens per reply, {per_msg}; "
           f"{os.cpu_count()} CPUs, {where})")
+    print(f"  clients: direct: grpc.aio (Python); gateway: {client}")
     for mode, res in results.items():
         d, g = res["direct"], res["gateway"]
         label = "streamed (SSE)" if mode == "stream" else "non-streamed"
         print(f"  {label} chat completions")
-        print(f"    latency at concurrency 1 ({args.latency_requests} requests per path):")
+        counts = (f"{args.latency_requests} direct, {g['latency_requests']} via the gateway in {args.wrk_seconds:g} s"
+                  if "latency_requests" in g else f"{args.latency_requests} requests per path")
+        print(f"    latency at concurrency 1 ({counts}):")
         print(f"      {'':8} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9}")
         for name, r in (("direct", d), ("gateway", g)):
             print(f"      {name:8} {r['p50_ms']:9.2f} {r['p99_ms']:9.2f} {r['mean_ms']:9.2f}")
         print(f"      {'added':8} {g['p50_ms'] - d['p50_ms']:9.2f} {g['p99_ms'] - d['p99_ms']:9.2f} "
               f"{g['mean_ms'] - d['mean_ms']:9.2f}")
-        print(f"    throughput at concurrency {args.concurrency} ({args.requests} requests per path):")
+        counts = (f"{args.requests} direct, {g['requests']} via the gateway in {args.wrk_seconds:g} s"
+                  if "requests" in g else f"{args.requests} requests per path")
+        print(f"    throughput at concurrency {args.concurrency} ({counts}):")
         print(f"      {'':8} {'req/s':>9} {'p50 ms':>9} {'p99 ms':>9}")
         for name, r in (("direct", d), ("gateway", g)):
             print(f"      {name:8} {r['rps']:9.1f} {r['p50_ms_loaded']:9.2f} {r['p99_ms_loaded']:9.2f}")
