@@ -43,7 +43,7 @@ async def serve(gw: Gateway, request: Request, kind: str):
     t0 = time.perf_counter()
     endpoint = endpoint_label(kind)
     span = gw.tracer.start_span("gateway.request", kind=SpanKind.SERVER, attributes={
-        "http.request.method": request.method, "http.route": request.url.path, "fairshare.endpoint": endpoint})
+        "http.request.method": request.method, "http.route": request.scope["path"], "fairshare.endpoint": endpoint})
     # the request span parents the others; an untraced one (tracing off) is not worth attaching
     token = otel_context.attach(trace.set_span_in_context(span)) if span.get_span_context().is_valid else None
     principal: Principal | None = None

@@ -18,6 +18,9 @@ concurrency or in-flight tokens says when enough running requests will have ende
 
 Keys are ``<prefix>:{<tenant>}:rpm|tpm|leases|lease_tokens|lease_ends``; the ``{tenant}`` hash tag
 keeps a tenant's keys in one Redis Cluster slot.
+
+Admissions and settlements of concurrent requests issued in the same event-loop iteration share one
+pipeline (gateway/redis_batch.py); each still runs on its own in Redis.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from typing import Awaitable, Callable, Iterable
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
+
+from .redis_batch import CommandBatcher
 
 from fairshare.config import TenantConfig
 
@@ -235,6 +240,7 @@ class RedisAdmission:
         # () -> the scripts' clock in ms; None: Redis TIME (production). Tests drive time with it.
         self.clock_ms: Callable[[], float] | None = None
         self.scripts_lost = 0  # times Redis was found without the scripts
+        self.batcher = CommandBatcher(redis)  # admissions and settlements of one loop iteration: one pipeline
         self._admit = redis.register_script(_ADMIT_LUA)
         self._settle = redis.register_script(_SETTLE_LUA)
         self._renew = redis.register_script(_RENEW_LUA)
@@ -254,16 +260,21 @@ class RedisAdmission:
         return lease_ends_key(self.prefix, tenant_id)
 
     async def _eval_admit(self, keys: list[str], args: list):
-        """Run the admission script; when Redis lost it, call `on_scripts_lost`, reload, repeat."""
-        sha = self._admit.sha
+        """Run the admission script (batched: `CommandBatcher`); when Redis lost it, call
+        `on_scripts_lost`, reload, repeat."""
         try:
-            return await self.redis.evalsha(sha, len(keys), *keys, *args)
+            return await self._evalsha(self._admit, keys, args)
         except NoScriptError:
             self.scripts_lost += 1
             if self.on_scripts_lost is not None:
                 await self.on_scripts_lost()
             await self.load()
-            return await self.redis.evalsha(self._admit.sha, len(keys), *keys, *args)
+            return await self._evalsha(self._admit, keys, args)
+
+    async def _evalsha(self, script, keys: list[str], args: list):
+        """EVALSHA of the registered `script` through the batcher; raises NoScriptError when Redis
+        does not hold it."""
+        return await self.batcher.execute("EVALSHA", script.sha, len(keys), *keys, *args)
 
     @staticmethod
     def decision(raw: list, tenant: TenantConfig, lease: Lease | None) -> Decision:
@@ -340,7 +351,12 @@ class RedisAdmission:
         limit `tpm_limit` (None: no refund). No guard on this side: safe to repeat (a second call finds
         no lease and refunds nothing). Returns True when the lease was held."""
         keys, args = self.release_args(tenant_id, lease_id, refund, tpm_limit)
-        return bool(await self._settle(keys=keys, args=args))
+        try:
+            return bool(await self._evalsha(self._settle, keys, args))
+        except NoScriptError:  # Redis lost the scripts: this one is loaded again; the next admission
+            # finds its own missing and runs `on_scripts_lost` (the running leases are restored there)
+            self._settle.sha = await self.redis.script_load(self._settle.script)
+            return bool(await self._evalsha(self._settle, keys, args))
 
     async def renew(self, leases: list[Lease]) -> int:
         """Extend every live lease by the TTL in one pipelined round trip; returns how many were renewed."""
