@@ -12,6 +12,8 @@
 - `INVALID_METADATA_KEY`: trailing-metadata key of a worker's INVALID_ARGUMENT that names the faulty
   input (value ``grammar``: the request's grammar does not compile), so the gateway can answer with
   the right OpenAI ``param``.
+- `grammar_of`: a request's `SamplingParams.grammar` as the ``(kind, source)`` pair every worker
+  compiles (worker/engine/grammar.py), or None.
 """
 
 from __future__ import annotations
@@ -28,3 +30,15 @@ TIER_NAMES = {worker_pb2.TIER_UNSPECIFIED: DEFAULT_TIER, **{v: k for k, v in TIE
 FINISH_ENUMS = {"stop": worker_pb2.FINISH_REASON_STOP, "length": worker_pb2.FINISH_REASON_LENGTH,
                 "abort": worker_pb2.FINISH_REASON_ABORT, "handed_back": worker_pb2.FINISH_REASON_HANDED_BACK}
 MAX_HAND_BACKS = 1
+
+
+def grammar_of(p: worker_pb2.SamplingParams) -> tuple[str, str] | None:
+    """(kind, source) of the request's grammar (worker/engine/grammar.py kinds: ``json_schema``,
+    ``json_object`` with an empty source, ``regex``, ``ebnf``, ``structural_tag``), or None."""
+    if not p.HasField("grammar"):
+        return None
+    kind = p.grammar.WhichOneof("kind")
+    if kind is None:
+        return None
+    value = getattr(p.grammar, kind)
+    return kind, ("" if kind == "json_object" else value)

@@ -42,6 +42,7 @@ FAIRSHARE_DEPS=(
   "pydantic-settings>=2.2" "pyyaml>=6" "grpcio>=1.85,<2" "grpcio-health-checking>=1.85,<2"
   "protobuf>=6.31,<8" "tokenizers>=0.21" "jinja2>=3.1" "prometheus-client>=0.20" "safetensors>=0.4"
   "opentelemetry-api>=1.30,<2" "opentelemetry-sdk>=1.30,<2"
+  "xgrammar==0.2.7"  # what sglang 0.5.23 pins; worker.engine.grammar: the reference engine's grammar refusals
   "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=0.23"
 )
 

@@ -65,7 +65,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from fairshare import worker_auth
 from fairshare.tiers import DEFAULT_TIER
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
-from fairshare.contract import FINISH_ENUMS, INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS
+from fairshare.contract import FINISH_ENUMS, INVALID_METADATA_KEY, SERVICE_NAME, TIER_ENUMS, grammar_of
 from fairshare.contract import TIER_NAMES as _TIER_NAMES
 from worker.engine.engine import Engine, EngineFailed, RequestOutput, RequestTimings
 from worker.faults import EXIT_ENGINE_FAILED
@@ -78,17 +78,6 @@ log = logging.getLogger("fairshare.worker")
 
 _FINISH = {r: FINISH_ENUMS[r.value] for r in FinishReason}
 _FINISH_NAMES = {r: r.value for r in FinishReason}
-
-
-def grammar_of(p: worker_pb2.SamplingParams) -> tuple[str, str] | None:
-    """(kind, source) of the request's grammar (worker/engine/grammar.py kinds), or None."""
-    if not p.HasField("grammar"):
-        return None
-    kind = p.grammar.WhichOneof("kind")
-    if kind is None:
-        return None
-    value = getattr(p.grammar, kind)
-    return kind, ("" if kind == "json_object" else value)
 
 
 def sampling_from_proto(p: worker_pb2.SamplingParams, grammar=None) -> SamplingParams:

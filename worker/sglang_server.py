@@ -40,8 +40,11 @@ Logprobs and grammars use SGLang's own machinery: `SamplingParams.logprobs` / `t
 after the temperature, before top-k / top-p), read back from `meta_info["output_token_logprobs"]`
 and `["output_top_logprobs"]`; `SamplingParams.grammar` becomes SGLang's constrained-decoding
 sampling parameter (`json_schema`, `regex`, `ebnf` or `structural_tag`; `json_object` is the JSON
-Schema ``{"type": "object"}``), compiled by SGLang's grammar backend (xgrammar by default). A
-grammar SGLang cannot compile ends the request with a 400 abort, answered as INVALID_ARGUMENT.
+Schema ``{"type": "object"}``), compiled by SGLang's grammar backend (xgrammar by default). Before
+SGLang sees it, a grammar is checked as the reference engine checks it (`GrammarCompiler.compile`,
+worker/engine/grammar.py, on a thread: it must compile and admit an output, and so must each JSON
+schema inside a structural tag); a refused one, or one SGLang itself cannot compile (a 400 abort),
+is answered INVALID_ARGUMENT with trailing metadata ``fairshare-invalid: grammar``.
 
 Needs a GPU node with `sglang==0.5.23` installed (extra `[sglang]`). Request translation
 (`request_to_sglang`, `response_from_sglang`) imports neither sglang nor torch and is tested on CPU.
@@ -55,6 +58,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -66,7 +70,7 @@ from fairshare import worker_auth
 from fairshare.tiers import DEFAULT_TIER
 from fairshare.v1 import worker_pb2, worker_pb2_grpc
 from fairshare.contract import FINISH_ENUMS as _FINISH
-from fairshare.contract import INVALID_METADATA_KEY
+from fairshare.contract import INVALID_METADATA_KEY, grammar_of
 from fairshare.contract import SERVICE_NAME
 from fairshare.contract import TIER_ENUMS as _TIER_ENUMS
 from fairshare.contract import TIER_NAMES as _TIER_NAMES
@@ -445,6 +449,8 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.live: dict[str, str] = {}  # FairShare request id -> SGLang rid
         self.tenants: dict[str, _TenantStats] = {}
         self.tokenizer = None
+        self._grammars = None  # worker/engine/grammar.GrammarCompiler, built on the first grammar (`_grammar_compiler`)
+        self._grammar_lock = threading.Lock()
         if facts.tokenizer_json:
             from tokenizers import Tokenizer
 
@@ -456,6 +462,18 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_context_tokens=facts.max_context_tokens, tokenizer_json=facts.tokenizer_json,
             chat_template=facts.chat_template, eos_token_ids=facts.eos_token_ids, tokenizer_sha256=digest,
             bos_token=facts.bos_token, eos_token=facts.eos_token)
+
+    def _grammar_compiler(self):
+        """The `worker.engine.grammar.GrammarCompiler` for this model's vocabulary (built on first use,
+        thread-safe; imports torch and xgrammar only then). Its compilations only decide refusals:
+        SGLang compiles the grammar it decodes with itself."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                from worker.engine.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.facts.vocab_size,
+                                                 sorted(self.facts.eos_token_ids), cache_mb=64)
+            return self._grammars
 
     def _abort_sglang(self, rid: str) -> None:
         try:
@@ -514,6 +532,17 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request_id in self.live:
             self._rejected(rt, tenant.id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate request id {request_id!r}")
+        grammar = grammar_of(request.sampling)
+        if grammar is not None and self.tokenizer is not None:
+            # the reference engine's refusals (one home: worker/engine/grammar.GrammarCompiler): a grammar
+            # xgrammar compiles but that nothing satisfies (a schema {"$ref": "#"}, a tool whose
+            # parameters admit no value) is refused here, before SGLang, whose backend compiles it, starts it
+            try:
+                await asyncio.to_thread(self._grammar_compiler().compile, *grammar)
+            except ValueError as exc:
+                self._rejected(rt, tenant.id)
+                context.set_trailing_metadata(((INVALID_METADATA_KEY, "grammar"),))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = kwargs["rid"]
         stats = self.tenants.setdefault(tenant.id, _TenantStats())
         stats.weight, stats.tier = tenant.weight or 1.0, tier

@@ -10,6 +10,7 @@ request with `skip_tokenizer_init`: cumulative `output_ids` (or only the new ids
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import grpc
@@ -373,3 +374,57 @@ async def test_metrics_export_the_schedulers_fairshare_figures_under_the_referen
     assert _sample(text, "fairshare_worker_tier_running_requests", tier="background") == 1
     assert _sample(text, "fairshare_worker_tier_min_share", tier="background") == 0.05
     assert _sample(text, "fairshare_worker_policy_info", policy="vtc") == 1
+
+
+def _byte_level_facts() -> ss.ModelFacts:
+    """Facts of a model whose tokenizer is byte-level BPE over the 256 bytes plus ``<eos>`` (id 256):
+    enough for xgrammar to build its vocabulary tables."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<eos>"])
+    return ss.ModelFacts(name="fake", max_context_tokens=128, vocab_size=257, eos_token_ids=[256],
+                         tokenizer_json=tok.to_str())
+
+
+async def test_a_grammar_nothing_satisfies_is_refused_before_sglang_runs_it():
+    """The reference engine's refusals (worker/engine/grammar.GrammarCompiler) hold on the SGLang path:
+    a schema that compiles but admits no value, or a forced tool call whose parameters admit none,
+    is INVALID_ARGUMENT naming the grammar, and SGLang never sees the request; a satisfiable schema
+    still reaches SGLang unchanged."""
+    engine = FakeEngine()
+    server = grpc.aio.server()
+    servicer = ss.SGLangWorkerServicer(engine, _byte_level_facts(), "sec", "vtc", request_factory=dict,
+                                       verifier=_verifier())
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    tool_tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<tool_call>\n{\"name\": \"f\", "
+                "\"arguments\": ", "content": {"type": "json_schema", "json_schema": {"$ref": "#"}},
+                "end": "}\n</tool_call>"}}
+    try:
+        for i, (kind, source) in enumerate([("json_schema", '{"$ref": "#"}'),
+                                            ("structural_tag", json.dumps(tool_tag))]):
+            req = _request(f"r-dead-{i}")
+            setattr(req.sampling.grammar, kind, source)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                [m async for m in stub.Generate(req, metadata=signed(req))]
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert "no output satisfies it" in err.value.details(), err.value.details()
+            assert dict(err.value.trailing_metadata())["fairshare-invalid"] == "grammar"
+        assert engine.tokenizer_manager.requests == []  # SGLang never saw them
+        req = _request("r-ok")
+        req.sampling.grammar.json_schema = '{"type": "object"}'
+        msgs = [m async for m in stub.Generate(req, metadata=signed(req))]
+        assert msgs[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+        assert engine.tokenizer_manager.requests[0]["sampling_params"]["json_schema"] == '{"type": "object"}'
+        await wait_for_async(lambda: not servicer.live, "the requests no longer live")
+    finally:
+        await channel.close()
+        await server.stop(None)
