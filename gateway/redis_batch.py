@@ -33,7 +33,7 @@ class CommandBatcher:
 
     redis: the client (``redis.asyncio.Redis``; a cluster client is called directly, command by
     command). max_batch: most commands in one pipeline (a longer burst is cut into several).
-    `batches` and `commands` count what was sent (for tests and the bench).
+    `batches` and `commands` count what was sent (pipelines or lone commands, and commands in them).
     """
 
     def __init__(self, redis, max_batch: int = 256) -> None:
