@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,7 +198,10 @@ def _parse_json_object(text: str) -> dict[str, Any]:
         body = json.loads(text, parse_float=schemas.json_number)
     except RecursionError:
         raise nested() from None
-    except ValueError:
+    except ValueError as e:
+        if "integer string conversion" in str(e):  # valid JSON: an integer longer than Python converts
+            raise invalid_request(f"A number in the request body has more than {sys.get_int_max_str_digits()} "
+                                  "digits; no parameter takes one that long.", None, "invalid_value") from None
         raise invalid_request("We could not parse the JSON body of your request. (HINT: This likely means you "
                               "aren't using your HTTP library correctly. The OpenAI API expects a JSON payload.)",
                               None, "invalid_json") from None
