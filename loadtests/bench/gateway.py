@@ -2,6 +2,7 @@
 
     fairshare bench gateway [--modes non-stream,stream] [--requests 2000] [--concurrency 32]
                             [--latency-requests 300] [--max-tokens 16] [--tokens-per-message 0]
+                            [--client auto|wrk|httpx] [--wrk-seconds 10]
                             [--gateway-cpu 0] [--load-cpus 1] [--redis-url URL] [--tokenizer DIR] [--json]
 
 An echo worker (a test double implementing the gRPC contract in this process, with a small
@@ -22,6 +23,14 @@ request**: the CPU time (user + system, all its threads, from ``/proc``) the gat
 during its throughput runs divided by their requests. CPU ms per request does not depend on how
 fast the load generator is; requests/s does (the gateway's CPU share is printed beside it: at
 ~100 % the gateway is the bottleneck).
+
+The gateway path's client (``--client``): wrk where it is on PATH (the default, ``auto``;
+loadtests/bench/wrk.py checks every answer), which costs next to nothing itself, so the gateway
+saturates its CPU at ``--concurrency``; or httpx, whose own CPU time per request is about the
+gateway's: its latencies include it and its requests/s can be the client's limit (the gateway then
+runs below a full CPU, and its CPU per request includes the wake-ups of a half-idle process). With
+wrk each figure is ``--wrk-seconds`` of load in two halves alternating with the direct path; the
+percentiles printed are the request-weighted means of the two halves' percentiles.
 
 Placement (Linux): the gateway runs pinned to ``--gateway-cpu``; this process (load generator and
 echo worker) and Redis to ``--load-cpus`` (default: every other CPU), as ``taskset`` would. On a
