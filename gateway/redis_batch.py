@@ -70,8 +70,7 @@ class CommandBatcher:
         self.commands += len(batch)
         try:
             if len(batch) == 1:  # no pipeline object for a lone command
-                args, fut = batch[0]
-                answers = [await _answer(self.redis.execute_command(*args))]
+                answers = [await _answer(self.redis.execute_command(*batch[0][0]))]
             else:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for args, _ in batch:

@@ -36,10 +36,9 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError
 
-from .redis_batch import CommandBatcher
-
 from fairshare.config import TenantConfig
 
+from .redis_batch import CommandBatcher
 
 _BUCKET_LUA = (Path(__file__).with_name("bucket.lua")).read_text(encoding="utf-8")
 _ADMIT_LUA = _BUCKET_LUA + (Path(__file__).with_name("admission.lua")).read_text(encoding="utf-8")

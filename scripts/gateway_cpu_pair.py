@@ -38,7 +38,7 @@ from fairshare.ports import free_port
 from gateway.auth import create_key
 from loadtests.bench.gateway import (ECHO_MODEL, EchoServer, _run_load, chat_completion, process_cpu_s,
                                      stop_processes, wait_gateway_ready)
-from loadtests.bench.wrk import run_wrk, wrk_path
+from loadtests.bench.wrk import answer_marker, run_wrk, wrk_path
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello how are you today"}]
 
@@ -75,9 +75,9 @@ async def measure(ports: list[tuple[int, subprocess.Popen]], key: str, args, str
     def caller(c: httpx.AsyncClient):
         return lambda: chat_completion(c, body, 16)
 
-    cpu: list[list[float]] = [[] for _ in ports]
     if args.client == "wrk":
-        return await _measure_wrk(ports, key, args, body, "data: [DONE]" if stream else '"completion_tokens":16')
+        return await _measure_wrk(ports, key, args, body, answer_marker(stream, 16))
+    cpu: list[list[float]] = [[] for _ in ports]
     for port, _ in ports:  # warm-up
         async with client(port) as c:
             await _run_load(caller(c), 300, args.concurrency)

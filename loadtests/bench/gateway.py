@@ -62,6 +62,8 @@ from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from worker.scheduling.metrics import percentile
 
+from .wrk import answer_marker, run_wrk, wrk_path
+
 ECHO_MODEL = "echo"
 WORDS = ["hello", "world", "the", "a", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "how", "are",
          "you", "today", "please", "count", "to", "ten", "be", "brief", "system", "user", "assistant"]
@@ -261,8 +263,7 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
         await _run_load(via_gateway, 50, 4)
         if args.client == "wrk":
             out = await _wrk_figures(args, direct, f"{gateway_url}/v1/chat/completions", body, key,
-                                     "data: [DONE]" if stream else f'"completion_tokens":{args.max_tokens}',
-                                     gateway_pid)
+                                     answer_marker(stream, args.max_tokens), gateway_pid)
             await channel.close()
             return out
         paths = {"direct": direct, "gateway": via_gateway}
@@ -285,15 +286,18 @@ async def _bench_mode(args, stream: bool, gateway_url: str, key: str, worker_add
                     cpu_s += process_cpu_s(gateway_pid) - c0
                 latc[name] += lats
                 wall[name] += w
-        out = {}
-        for name in paths:
-            out[name] = {"p50_ms": percentile(lat1[name], 50) * 1000, "p99_ms": percentile(lat1[name], 99) * 1000,
-                         "mean_ms": statistics.fmean(lat1[name]) * 1000, "rps": args.requests / wall[name],
-                         "p50_ms_loaded": percentile(latc[name], 50) * 1000, "p99_ms_loaded": percentile(latc[name], 99) * 1000}
+        out = {name: _figures(lat1[name], latc[name], args.requests / wall[name]) for name in paths}
         out["gateway"]["cpu_ms_per_request"] = cpu_s * 1000 / args.requests
         out["gateway"]["cpu_share"] = cpu_s / wall["gateway"]
     await channel.close()
     return out
+
+
+def _figures(lat1: list[float], loaded: list[float], rps: float) -> dict:
+    """One path's figures (ms) from its latencies (s) at concurrency 1 and under load."""
+    return {"p50_ms": percentile(lat1, 50) * 1000, "p99_ms": percentile(lat1, 99) * 1000,
+            "mean_ms": statistics.fmean(lat1) * 1000, "rps": rps,
+            "p50_ms_loaded": percentile(loaded, 50) * 1000, "p99_ms_loaded": percentile(loaded, 99) * 1000}
 
 
 async def _wrk_figures(args, direct, url: str, body: dict, key: str, marker: str, gateway_pid: int) -> dict:
@@ -301,8 +305,6 @@ async def _wrk_figures(args, direct, url: str, body: dict, key: str, marker: str
     the two paths alternate in halves (direct: `direct()` calls, as with httpx; gateway: a wrk run of
     ``--wrk-seconds / 2``), at concurrency 1 and then at ``--concurrency``; the gateway's CPU time
     is taken over its wrk runs at ``--concurrency``."""
-    from .wrk import run_wrk
-
     half_s = args.wrk_seconds / 2
     lat1: list[float] = []
     lat_gw1: list = []
@@ -329,9 +331,7 @@ async def _wrk_figures(args, direct, url: str, body: dict, key: str, marker: str
     def _avg(results, attr: str) -> float:  # request-weighted mean of the halves' figures (s -> ms)
         return sum(getattr(r, attr) * r.requests for r in results) / max(1, sum(r.requests for r in results)) * 1000
 
-    return {"direct": {"p50_ms": percentile(lat1, 50) * 1000, "p99_ms": percentile(lat1, 99) * 1000,
-                       "mean_ms": statistics.fmean(lat1) * 1000, "rps": args.requests / wall_direct,
-                       "p50_ms_loaded": percentile(latc, 50) * 1000, "p99_ms_loaded": percentile(latc, 99) * 1000},
+    return {"direct": _figures(lat1, latc, args.requests / wall_direct),
             "gateway": {"p50_ms": _avg(lat_gw1, "p50_s"), "p99_ms": _avg(lat_gw1, "p99_s"),
                         "mean_ms": _avg(lat_gw1, "mean_s"), "rps": n_gw / wall_gw,
                         "p50_ms_loaded": _avg(runs, "p50_s"), "p99_ms_loaded": _avg(runs, "p99_s"),
@@ -391,8 +391,6 @@ def main(argv: list[str] | None = None) -> int:
     modes = ["stream"] if args.stream else [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in ("non-stream", "stream") for m in modes):
         p.error("--modes takes non-stream and/or stream")
-
-    from .wrk import wrk_path
 
     if args.client == "wrk" and wrk_path() is None:
         p.error("--client wrk: wrk is not on PATH (Debian: apt-get install wrk)")

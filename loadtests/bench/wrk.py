@@ -75,6 +75,12 @@ class WrkResult:
         return self.requests / self.wall_s if self.wall_s > 0 else 0.0
 
 
+def answer_marker(stream: bool, max_tokens: int) -> str:
+    """What every good answer to the benches' chat completion holds: a stream's ``data: [DONE]``,
+    a JSON body's usage of exactly `max_tokens` completion tokens (the gateway writes compact JSON)."""
+    return "data: [DONE]" if stream else f'"completion_tokens":{max_tokens}'
+
+
 def wrk_path() -> str | None:
     """The wrk binary on PATH, or None."""
     return shutil.which("wrk")
