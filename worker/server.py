@@ -72,6 +72,7 @@ from worker.faults import EXIT_ENGINE_FAILED
 from worker import grpc_server
 from worker.engine.sequence import FinishReason, SamplingParams
 from worker.metrics import WorkerMetrics
+from worker.multiplex import GenerateManyMixin
 from worker.tracing import RequestTrace, worker_tracer
 
 log = logging.getLogger("fairshare.worker")
@@ -128,7 +129,7 @@ def _to_proto(outs: list[RequestOutput]) -> worker_pb2.GenerateResponse:
     return msg
 
 
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+class WorkerServicer(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
     """Implements the Worker service on top of an `Engine` (whose loop thread is started here).
 
     metrics: where TTFT / ITL / finish figures go (default: a fresh `WorkerMetrics` over `engine`).
@@ -162,6 +163,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_name=names[0], served_model_names=names, max_context_tokens=engine.max_model_len,
             tokenizer_json=m.tokenizer_json, chat_template=m.chat_template or "", eos_token_ids=sorted(m.eos_token_ids), tokenizer_sha256=digest,
             bos_token=m.bos_token or "", eos_token=m.eos_token or "", worker_id=worker_id,
+            generate_many=True,  # GenerateManyMixin
         )
 
     async def _authenticate(self, claims: worker_auth.Claims, context) -> None:
@@ -409,6 +411,7 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     engine.shutdown()  # aborts what is left: each stream ends with finish_reason ABORT
     if pool is not None:
         pool.stop()
+    servicer.end_generate_many()  # idle GenerateMany streams end now, not at the grace's end
     await server.stop(grace=2.0)
     log.info("stopped (refused %d request(s) while draining)", servicer.refused_while_draining)
     servicer.metrics.stop()

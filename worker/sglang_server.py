@@ -76,6 +76,7 @@ from fairshare.contract import TIER_ENUMS as _TIER_ENUMS
 from fairshare.contract import TIER_NAMES as _TIER_NAMES
 from worker import grpc_server
 from worker.faults import FaultWindow
+from worker.multiplex import GenerateManyMixin
 from worker.cli import add_served_name_arguments, served_names
 from worker.sglang_plugin import tenant as tenant_mod
 from worker.tracing import RequestTrace
@@ -403,7 +404,7 @@ class _TenantStats:
     finished: int = 0
 
 
-class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
+class SGLangWorkerServicer(GenerateManyMixin, worker_pb2_grpc.WorkerServicer):
     """The Worker service over an in-process `sglang.Engine`.
 
     engine: the SGLang engine (its `tokenizer_manager` serves requests). facts: `ModelFacts`.
@@ -461,7 +462,7 @@ class SGLangWorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_name=facts.name, served_model_names=facts.served_names or [facts.name],
             max_context_tokens=facts.max_context_tokens, tokenizer_json=facts.tokenizer_json,
             chat_template=facts.chat_template, eos_token_ids=facts.eos_token_ids, tokenizer_sha256=digest,
-            bos_token=facts.bos_token, eos_token=facts.eos_token)
+            bos_token=facts.bos_token, eos_token=facts.eos_token, generate_many=True)  # GenerateManyMixin
 
     def _grammar_compiler(self):
         """The `worker.engine.grammar.GrammarCompiler` for this model's vocabulary (built on first use,
@@ -773,6 +774,7 @@ async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_time
         await asyncio.sleep(0.1)
     for rid in list(servicer.live.values()):
         servicer._abort_sglang(rid)
+    servicer.end_generate_many()  # idle GenerateMany streams end now, not at the grace's end
     await server.stop(grace=2.0)
 
 

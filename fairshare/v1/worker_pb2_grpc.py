@@ -43,6 +43,11 @@ class WorkerStub:
                 request_serializer=fairshare_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=fairshare_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/fairshare.v1.Worker/GenerateMany',
+                request_serializer=fairshare_dot_v1_dot_worker__pb2.GenerateManyIn.SerializeToString,
+                response_deserializer=fairshare_dot_v1_dot_worker__pb2.GenerateManyOut.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/fairshare.v1.Worker/Abort',
                 request_serializer=fairshare_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -70,6 +75,16 @@ class WorkerServicer:
     def Generate(self, request, context):
         """Server-streaming generation. The first message carries timings.queued_s once the request is
         admitted by the worker's scheduler; the last carries finish_reason and usage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many generations on one long-lived stream (the gateway's path; worker/multiplex.py): each
+        GenerateOpen runs as one Generate call would, with the call's metadata and deadline carried in the
+        message, and its messages and end come back tagged with its request id. Saves a gRPC call per
+        request. The gateway uses it with the workers whose ModelInfo says generate_many.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,6 +119,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=fairshare_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=fairshare_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=fairshare_dot_v1_dot_worker__pb2.GenerateManyIn.FromString,
+                    response_serializer=fairshare_dot_v1_dot_worker__pb2.GenerateManyOut.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -152,6 +172,33 @@ class Worker:
             '/fairshare.v1.Worker/Generate',
             fairshare_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             fairshare_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fairshare.v1.Worker/GenerateMany',
+            fairshare_dot_v1_dot_worker__pb2.GenerateManyIn.SerializeToString,
+            fairshare_dot_v1_dot_worker__pb2.GenerateManyOut.FromString,
             options,
             channel_credentials,
             insecure,

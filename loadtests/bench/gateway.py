@@ -60,6 +60,7 @@ from fairshare.local_redis import start_redis
 from fairshare.ports import free_port, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from worker.multiplex import GenerateManyMixin
 from worker.scheduling.metrics import percentile
 
 from .wrk import answer_marker, run_wrk, wrk_path
@@ -85,7 +86,7 @@ def echo_tokenizer_json() -> str:
     return tok.to_str()
 
 
-class EchoWorker(pb_grpc.WorkerServicer):
+class EchoWorker(GenerateManyMixin, pb_grpc.WorkerServicer):
     """Implements the Worker contract without a model: answers `max_tokens` tokens at once.
 
     tokens_per_message: how many tokens each `GenerateResponse` carries (<= 0: all of them in one
@@ -100,7 +101,7 @@ class EchoWorker(pb_grpc.WorkerServicer):
         self.tokenizer_json = files.tokenizer_json
         self.info = pb.ModelInfo(model_name=ECHO_MODEL, max_context_tokens=4096, tokenizer_json=files.tokenizer_json,
                                  chat_template=files.chat_template, eos_token_ids=[2], bos_token=files.bos_token,
-                                 eos_token=files.eos_token, tokenizer_sha256=files.sha256)
+                                 eos_token=files.eos_token, tokenizer_sha256=files.sha256, generate_many=True)
 
     async def Generate(self, request, context):
         n = request.sampling.max_tokens or 16

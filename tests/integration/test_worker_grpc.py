@@ -70,6 +70,41 @@ def test_health_and_model_info(worker_addr):
     assert info.model_name == "random-tiny"
     assert info.max_context_tokens > 0 and info.tokenizer_json.startswith("{") and info.chat_template
     assert len(info.tokenizer_sha256) == 64 and info.eos_token_ids
+    assert info.generate_many  # the gateway sends its requests on one GenerateMany stream
+
+
+async def test_generate_many_runs_each_open_as_generate_does(worker_addr):
+    """On one GenerateMany stream (the gateway's client, gateway/worker_stream.py) the real worker
+    streams each request's own tokens with exact usage, refuses an unsigned or invalid one with the
+    status Generate gives it, without touching the others, and frees every KV block."""
+    import asyncio
+
+    from gateway.worker_stream import GenerateStream
+
+    channel = grpc.aio.insecure_channel(worker_addr)
+    stream = GenerateStream(worker_pb2_grpc.WorkerStub(channel))
+    try:
+        reqs = [gen_request(f"t{i % 3}", [5 + i, 6, 7, 8], max_tokens=3 + i) for i in range(6)]
+        calls = [stream.generate(r, metadata=signed(r), timeout=120) for r in reqs]
+        unsigned = gen_request("t0", [1, 2, 3])
+        invalid = gen_request("t0", [])
+        refused = [stream.generate(unsigned, timeout=120), stream.generate(invalid, metadata=signed(invalid))]
+
+        async def drain(call):
+            return [m async for m in call]
+
+        for i, msgs in enumerate(await asyncio.gather(*map(drain, calls))):
+            assert sum(len(m.token_ids) for m in msgs) == 3 + i
+            assert msgs[-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+            assert msgs[-1].usage.prompt_tokens == 4 and msgs[-1].usage.completion_tokens == 3 + i
+        for call, code in zip(refused, (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await drain(call)
+            assert err.value.code() == code, err.value
+    finally:
+        await stream.close()
+        await channel.close()
+    assert wait_idle(stub_for(worker_addr)).kv_blocks_used == 0
 
 
 def test_two_tenants_stream_concurrently_with_correct_usage(worker_addr):

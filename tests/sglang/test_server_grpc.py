@@ -82,9 +82,9 @@ def _verifier() -> worker_auth.Verifier:
     return worker_auth.Verifier(worker_auth.WorkerKeys.parse(os.environ[worker_auth.KEYS_ENV]))
 
 
-async def _serve(engine, **options):
+async def _serve(engine, facts=FACTS, **options):
     server = grpc.aio.server()
-    servicer = ss.SGLangWorkerServicer(engine, FACTS, "sec", "vtc", request_factory=dict, verifier=_verifier(),
+    servicer = ss.SGLangWorkerServicer(engine, facts, "sec", "vtc", request_factory=dict, verifier=_verifier(),
                                        **options)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -397,14 +397,7 @@ async def test_a_grammar_nothing_satisfies_is_refused_before_sglang_runs_it():
     is INVALID_ARGUMENT naming the grammar, and SGLang never sees the request; a satisfiable schema
     still reaches SGLang unchanged."""
     engine = FakeEngine()
-    server = grpc.aio.server()
-    servicer = ss.SGLangWorkerServicer(engine, _byte_level_facts(), "sec", "vtc", request_factory=dict,
-                                       verifier=_verifier())
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    stub = worker_pb2_grpc.WorkerStub(channel)
+    server, channel, stub, servicer = await _serve(engine, facts=_byte_level_facts())
     tool_tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<tool_call>\n{\"name\": \"f\", "
                 "\"arguments\": ", "content": {"type": "json_schema", "json_schema": {"$ref": "#"}},
                 "end": "}\n</tool_call>"}}
@@ -426,5 +419,45 @@ async def test_a_grammar_nothing_satisfies_is_refused_before_sglang_runs_it():
         assert engine.tokenizer_manager.requests[0]["sampling_params"]["json_schema"] == '{"type": "object"}'
         await wait_for_async(lambda: not servicer.live, "the requests no longer live")
     finally:
+        await channel.close()
+        await server.stop(None)
+
+
+async def test_generate_many_serves_the_sglang_path_as_generate_does():
+    """The gateway's GenerateMany stream (worker/multiplex.py) runs the SGLang servicer's own Generate
+    per open: on one stream, a request SGLang answers streams its tokens then ends OK, a refused
+    grammar ends INVALID_ARGUMENT with `fairshare-invalid: grammar`, and an unsigned one ends
+    UNAUTHENTICATED, each without touching the others."""
+    engine = FakeEngine()
+    server, channel, stub, servicer = await _serve(engine, facts=_byte_level_facts())
+    good, dead, unsigned = _request("m-good"), _request("m-dead"), _request("m-unsigned")
+    dead.sampling.grammar.json_schema = '{"$ref": "#"}'
+    msg = worker_pb2.GenerateManyIn(open=[worker_pb2.GenerateOpen(request=r, metadata=dict(signed(r)))
+                                          for r in (good, dead)] + [worker_pb2.GenerateOpen(request=unsigned)])
+    call = stub.GenerateMany()
+    try:
+        await call.write(msg)
+        events: dict[str, list] = {}
+        ended: dict[str, worker_pb2.GenerateEnd] = {}
+        async def until_all_ended():
+            async for out in call:
+                for ev in out.events:
+                    assert ev.request_id not in ended, f"an event for {ev.request_id} after its end"
+                    if ev.HasField("end"):
+                        ended[ev.request_id] = ev.end
+                    else:
+                        events.setdefault(ev.request_id, []).append(ev.response)
+                if len(ended) == 3:
+                    return
+        await asyncio.wait_for(until_all_ended(), 60)  # a ceiling against a hang only
+        assert ended["m-good"].code == 0 and events["m-good"][-1].finish_reason == worker_pb2.FINISH_REASON_LENGTH
+        assert ended["m-dead"].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert dict(ended["m-dead"].trailing_metadata) == {"fairshare-invalid": "grammar"}
+        assert ended["m-unsigned"].code == grpc.StatusCode.UNAUTHENTICATED.value[0]
+        assert "m-dead" not in events and "m-unsigned" not in events
+        assert len(engine.tokenizer_manager.requests) == 1  # only the good one reached SGLang
+        await wait_for_async(lambda: not servicer.live, "the requests no longer live")
+    finally:
+        call.cancel()
         await channel.close()
         await server.stop(None)
