@@ -57,6 +57,7 @@ from .errors import APIError, invalid_request, unavailable
 from .logprobs import TokenTexts
 from .routing_policy import RouteRequest, RoutingPolicy, make_routing
 from .tokenization import ChatTokenizer, TokenizerFiles
+from .worker_stream import GenerateStream, StreamedGenerate
 
 log = logging.getLogger("fairshare.gateway")
 
@@ -118,6 +119,7 @@ class WorkerClient:
     worker_id: str = ""  # the worker's own identity (ModelInfo.worker_id), stable across restarts
     stub: pb_grpc.WorkerStub | None = field(default=None, repr=False)
     health: health_pb2_grpc.HealthStub | None = field(default=None, repr=False)
+    generations: GenerateStream | None = field(default=None, repr=False)  # its GenerateMany stream
     watch_task: asyncio.Task | None = field(default=None, repr=False)
 
     def connect(self) -> None:
@@ -126,6 +128,7 @@ class WorkerClient:
             self.channel = grpc.aio.insecure_channel(self.addr, options=_CHANNEL_OPTIONS)
             self.stub = pb_grpc.WorkerStub(self.channel)
             self.health = health_pb2_grpc.HealthStub(self.channel)
+            self.generations = GenerateStream(self.stub)
 
     @property
     def model(self) -> str | None:
@@ -159,6 +162,9 @@ class WorkerClient:
         """Close the channel."""
         await cancel_and_wait(self.watch_task)
         self.watch_task = None
+        if self.generations is not None:
+            await self.generations.close()
+            self.generations = None
         if self.channel is not None:
             await self.channel.close()
             self.channel = None
@@ -495,7 +501,9 @@ def route_request(request: pb.GenerateRequest, cost: int) -> RouteRequest:
 class Generation:
     """A ``Generate`` stream that has produced its first token (or finished) on one worker.
 
-    worker: where it runs. call: the ``grpc.aio`` Generate call. request_id: the attempt's id.
+    worker: where it runs. call: its generation on the worker's GenerateMany stream
+    (gateway/worker_stream.py) when the worker's ModelInfo says ``generate_many``, else the
+    ``grpc.aio`` Generate call. request_id: the attempt's id.
     cost: tokens counted on the worker while it runs. pending: messages already read (they come
     first). span: the attempt's ``gateway.worker_call`` span.
     Iterate it for the remaining `GenerateResponse` messages (the ones already read come first).
@@ -504,7 +512,7 @@ class Generation:
     """
 
     worker: WorkerClient
-    call: grpc.aio.UnaryStreamCall
+    call: "StreamedGenerate | grpc.aio.UnaryStreamCall"
     request_id: str
     cost: int
     pending: list[pb.GenerateResponse]
@@ -657,7 +665,10 @@ def _call_worker(w: WorkerClient, request: pb.GenerateRequest, attempt: int, cos
     if signer is not None:
         metadata = [*(metadata or ()), *signer.metadata(generate_claims(req))]
     timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
-    call = w.stub.Generate(req, metadata=metadata or None, timeout=timeout)
+    if w.info is not None and w.info.generate_many:  # on the worker's one GenerateMany stream (worker_stream.py)
+        call = w.generations.generate(req, metadata=metadata or None, timeout=timeout)
+    else:
+        call = w.stub.Generate(req, metadata=metadata or None, timeout=timeout)
     return Generation(w, call, req.request_id, cost, [], span)
 
 

@@ -33,7 +33,8 @@ class ProxyWorker(pb_grpc.WorkerServicer):
     ``abort`` (Generate ends with FINISH_REASON_ABORT before any token), ``other_template`` (ModelInfo
     sends a different chat template under the original digest), ``other_template_consistent`` (a
     different template with its matching digest), ``slow_start`` (sends nothing until the caller
-    cancels, as if queued behind a long backlog; records the cancellation)."""
+    cancels, as if queued behind a long backlog; records the cancellation). It serves Generate calls
+    only, so its ModelInfo says so (``generate_many`` false) and the gateway calls it per request."""
 
     def __init__(self, target: str, mode: str = "record"):
         self.mode = mode
@@ -83,6 +84,7 @@ class ProxyWorker(pb_grpc.WorkerServicer):
 
     def GetModelInfo(self, request, context):
         info = self.stub.GetModelInfo(request)
+        info.generate_many = False  # this proxy relays Generate calls only (no GenerateMany stream)
         if self.mode.startswith("other_template"):
             info.chat_template = info.chat_template.replace("helpful", "unhelpful")
         if self.mode == "other_template_consistent":
