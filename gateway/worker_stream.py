@@ -11,7 +11,7 @@ generation that ends with a status raises ``grpc.aio.AioRpcError`` with that cod
 trailing metadata, exactly as its call would, so the retry and error paths (gateway/routing.py) are
 the same on both.
 
-When the stream fails (the worker went away), every generation on it fails with the stream's
+When the stream fails (the worker went away), every generation sent on it fails with the stream's
 status (UNAVAILABLE for a worker that is gone; also when grpc reports the failure as an INTERNAL
 error of a message it could not send) and the next request opens a new stream. The gateway uses
 the stream with the workers whose ModelInfo says ``generate_many`` (gateway/routing.py), and one
@@ -54,6 +54,8 @@ class StreamedGenerate:
     def __init__(self, stream: "GenerateStream", open_: pb.GenerateOpen, timeout: float | None) -> None:
         self._stream = stream
         self.request_id = open_.request.request_id
+        self.open: pb.GenerateOpen | None = open_  # until it is taken for sending
+        self.sent = False  # its open went into a message: the worker may be running it
         self._messages: deque[pb.GenerateResponse] = deque()
         self._final: BaseException | None = None  # _END, an AioRpcError or CancelledError once ended
         self._waiter: asyncio.Future | None = None
@@ -80,7 +82,7 @@ class StreamedGenerate:
         if self._final is not None:
             return False
         self._end(asyncio.CancelledError())
-        self._stream._cancel(self.request_id)
+        self._stream._cancel(self)
         return True
 
     def done(self) -> bool:
@@ -110,7 +112,7 @@ class StreamedGenerate:
     def _expire(self) -> None:
         if self._final is None:
             self._end(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_DETAILS))
-            self._stream._cancel(self.request_id)
+            self._stream._cancel(self)
 
     def _end(self, final: BaseException) -> None:
         self._final = final
@@ -134,7 +136,7 @@ class GenerateStream:
         self.stub = stub
         self._call = None
         self._calls: dict[str, StreamedGenerate] = {}
-        self._opens: list[pb.GenerateOpen] = []
+        self._opens: list[StreamedGenerate] = []  # generations whose open waits to be sent
         self._cancels: list[str] = []
         self._writer: asyncio.Task | None = None
         self._send_failed: object | None = None  # the stream a message could not be sent on
@@ -151,7 +153,7 @@ class GenerateStream:
             call._end(_rpc_error(grpc.StatusCode.INVALID_ARGUMENT, f"duplicate request id {call.request_id!r}"))
             return call
         self._calls[call.request_id] = call
-        self._opens.append(open_)
+        self._opens.append(call)
         self._schedule_flush()
         return call
 
@@ -164,14 +166,23 @@ class GenerateStream:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # --- internals ----------------------------------------------------------------------------
-    def _cancel(self, request_id: str) -> None:
-        if self._call is not None:
-            self._cancels.append(request_id)
+    def _cancel(self, call: StreamedGenerate) -> None:
+        """Tell the worker to stop `call` (ended here already). Only once its open was sent: an
+        unsent open is simply not sent (`_forget`), and a cancel always follows its open."""
+        if call.sent and self._call is not None:
+            self._cancels.append(call.request_id)
             self._schedule_flush()
 
     def _forget(self, call: StreamedGenerate) -> None:
+        """`call` ended: stop routing events to it, and drop its open if it was never sent."""
         if self._calls.get(call.request_id) is call:  # not a refused duplicate's namesake
             del self._calls[call.request_id]
+        if not call.sent and call.open is not None:
+            try:
+                self._opens.remove(call)
+            except ValueError:  # a refused duplicate: never queued
+                pass
+            call.open = None
 
     def _schedule_flush(self) -> None:
         if self._writer is None:
@@ -206,14 +217,16 @@ class GenerateStream:
     def _take_opens(self) -> list[pb.GenerateOpen]:
         """The queued opens that fit in one message of at most MAX_MESSAGE_BYTES (at least one; the
         rest wait for the next write), so that a burst of long prompts never meets the channel's
-        message limit."""
+        message limit; their generations count as sent from here on."""
         size, n = 0, 0
-        for open_ in self._opens:
-            size += open_.ByteSize()
+        for call in self._opens:
+            size += call.open.ByteSize()
             if n and size > MAX_MESSAGE_BYTES:
                 break
             n += 1
-        taken = self._opens[:n]
+        taken = [call.open for call in self._opens[:n]]
+        for call in self._opens[:n]:
+            call.sent, call.open = True, None
         del self._opens[:n]
         return taken
 
@@ -238,11 +251,15 @@ class GenerateStream:
             error = _rpc_error(grpc.StatusCode.UNAVAILABLE, f"the worker's GenerateMany stream broke ({error.details()})")
         if self._send_failed is call:
             self._send_failed = None
-        if self._calls:
-            log.info("GenerateMany stream ended with %d generation(s) on it: %s %s", len(self._calls),
+        on_it = [target for target in self._calls.values() if target.sent]
+        if on_it:
+            log.info("GenerateMany stream ended with %d generation(s) on it: %s %s", len(on_it),
                      error.code().name, error.details())
-        for target in list(self._calls.values()):
+        self._cancels.clear()  # for generations of the stream that just ended
+        for target in on_it:
             target._fail(error)
+        if self._opens:  # opens not yet sent were never on it: they go on the next stream
+            self._schedule_flush()
 
 
 __all__ = ["GenerateStream", "StreamedGenerate"]

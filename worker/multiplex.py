@@ -117,11 +117,13 @@ async def serve_generate_many(generate: Callable, requests: AsyncIterator[pb.Gen
         except Exception as e:  # what grpc.aio makes of an exception a handler lets out
             log.exception("Generate of %s failed", rid)
             end.code, end.details = grpc.StatusCode.UNKNOWN.value[0], f"Unexpected {type(e).__name__}: {e}"
-        finally:
-            running.pop(rid, None)
-            wake.set()
         end.trailing_metadata.update(ctx.trailing)
         push(pb.GenerateEvent(request_id=rid, end=end))
+
+    def forget(rid: str, task: asyncio.Task) -> None:
+        if running.get(rid) is task:
+            del running[rid]
+        wake.set()
 
     async def read() -> None:
         async for msg in requests:
@@ -132,7 +134,11 @@ async def serve_generate_many(generate: Callable, requests: AsyncIterator[pb.Gen
                     push(pb.GenerateEvent(request_id=rid, end=pb.GenerateEnd(
                         code=grpc.StatusCode.INVALID_ARGUMENT.value[0], details=why)))
                     continue
-                running[rid] = asyncio.create_task(run(rid, open_), name=f"generate-many:{rid}")
+                task = asyncio.create_task(run(rid, open_), name=f"generate-many:{rid}")
+                running[rid] = task
+                # forgotten when the task is done, also when it was cancelled before it first ran (an
+                # open and its cancel in one message), so nothing of it stays for the stream's life
+                task.add_done_callback(lambda t, rid=rid: forget(rid, t))
             for rid in msg.cancel:
                 task = running.get(rid)
                 if task is not None:

@@ -253,3 +253,26 @@ async def test_a_burst_of_long_prompts_is_split_under_the_message_limit(many, mo
     assert servicer.many_calls == 1 and servicer.generate_calls == 10
     one = _req("x", 1, 1, *range(1000)).ByteSize()
     assert len(servicer.in_sizes) >= 10 * one // 4096 and max(servicer.in_sizes) <= 4096 + one, servicer.in_sizes
+
+
+async def test_a_generation_cancelled_before_its_open_is_sent_never_reaches_the_worker(many):
+    servicer, stream, *_ = many
+    for rid in ("first-use", "later"):  # before the stream exists, and on the open stream
+        gone = stream.generate(_req(rid, 3))
+        gone.cancel()  # in the same loop iteration: its open is still queued
+        assert len(await asyncio.wait_for(_drain(stream.generate(_req(f"after-{rid}", 1, 1))), CEILING_S)) == 2
+    assert servicer.generate_calls == 2 and not servicer.holding  # only the two "after" requests ran
+    assert servicer.many_calls == 1
+
+
+async def test_an_open_and_its_cancel_in_one_message_leave_nothing_on_the_worker(many):
+    servicer, _, _, _, channel = many
+    call = pb_grpc.WorkerStub(channel).GenerateMany()
+    await call.write(pb.GenerateManyIn(open=[pb.GenerateOpen(request=_req("both", 3))], cancel=["both"]))
+    await call.done_writing()
+    # the worker's side ends once the gateway's side is closed and nothing runs: nothing stayed behind
+    async def events_until_the_end():
+        return [ev async for out in call for ev in out.events]
+    events = await asyncio.wait_for(events_until_the_end(), CEILING_S)
+    assert await asyncio.wait_for(call.code(), CEILING_S) == grpc.StatusCode.OK
+    assert events == [] and servicer.many_ended == 1 and "both" not in servicer.holding
