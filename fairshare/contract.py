@@ -23,6 +23,9 @@ from fairshare.v1 import worker_pb2
 
 SERVICE_NAME = "fairshare.v1.Worker"
 INVALID_METADATA_KEY = "fairshare-invalid"
+# The details of a generation whose deadline passed, as grpc gives them for a call (GenerateMany
+# ends such a generation with them on both sides: worker/multiplex.py, gateway/worker_stream.py).
+DEADLINE_DETAILS = "Deadline Exceeded"
 
 # `fairshare.tiers.Tier.X` <-> proto `TIER_X`, by name (a tier added to one and not the other fails here)
 TIER_ENUMS = {t.value: worker_pb2.Tier.Value(f"TIER_{t.name}") for t in Tier}

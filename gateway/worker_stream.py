@@ -26,13 +26,13 @@ from collections import deque
 
 import grpc
 
+from fairshare.contract import DEADLINE_DETAILS as _DEADLINE_DETAILS
 from fairshare.v1 import worker_pb2 as pb
 
 log = logging.getLogger("fairshare.gateway.worker_stream")
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-_DEADLINE_DETAILS = "Deadline Exceeded"
-_END = StopAsyncIteration()
+_END = object()  # `_final` of a generation that ended OK (each read past it raises a new StopAsyncIteration)
 # Opens per GenerateManyIn message, in bytes: well under the worker's 64 MiB receive limit
 # (worker/grpc_server.py), which one Generate call had to itself.
 MAX_MESSAGE_BYTES = 8 * 2**20
@@ -57,7 +57,7 @@ class StreamedGenerate:
         self.open: pb.GenerateOpen | None = open_  # until it is taken for sending
         self.sent = False  # its open went into a message: the worker may be running it
         self._messages: deque[pb.GenerateResponse] = deque()
-        self._final: BaseException | None = None  # _END, an AioRpcError or CancelledError once ended
+        self._final: object | None = None  # _END, an AioRpcError or CancelledError once ended
         self._waiter: asyncio.Future | None = None
         self._timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, self._expire)
 
@@ -69,6 +69,10 @@ class StreamedGenerate:
         while True:
             if self._messages:
                 return self._messages.popleft()
+            if self._final is _END:
+                # a new instance each time: a shared one would collect every raise's traceback (and
+                # the frames it holds) for the life of the process
+                raise StopAsyncIteration
             if self._final is not None:
                 raise self._final
             self._waiter = asyncio.get_running_loop().create_future()
@@ -114,7 +118,7 @@ class StreamedGenerate:
             self._end(_rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, _DEADLINE_DETAILS))
             self._stream._cancel(self)
 
-    def _end(self, final: BaseException) -> None:
+    def _end(self, final: object) -> None:
         self._final = final
         if self._timer is not None:
             self._timer.cancel()

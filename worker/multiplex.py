@@ -28,6 +28,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
+from fairshare.contract import DEADLINE_DETAILS as _DEADLINE_DETAILS
 from fairshare.v1 import worker_pb2 as pb
 
 log = logging.getLogger("fairshare.worker.multiplex")
@@ -78,7 +79,6 @@ class StreamContext:
         return self._peer
 
 
-_DEADLINE_DETAILS = "Deadline Exceeded"  # what grpc says when a call's deadline passes
 
 
 async def serve_generate_many(generate: Callable, requests: AsyncIterator[pb.GenerateManyIn],
