@@ -18,7 +18,7 @@ import hmac
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -63,7 +63,7 @@ class _Parts:
 
 
 def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None = None,
-               tracer_provider=None) -> FastAPI:
+               tracer_provider=None) -> GatewayApp:
     """Build the gateway app. Redis, the worker pool and lease renewal start in the app's lifespan.
 
     tracer_provider: where spans go (tests pass one with an in-memory exporter); default: a provider
@@ -83,14 +83,53 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
     # FastAPI's own OpenTelemetry instrumentation stays off: the gateway traces requests itself
     # (gateway.request is the SERVER span) and counts them in Prometheus; left on, it would check the
     # global providers on every request and, with one installed, add a second server span
-    app = FastAPI(title="FairShare gateway", lifespan=_lifespan(parts), docs_url=None, redoc_url=None,
-                  openapi_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
+    app = GatewayApp(title="FairShare gateway", lifespan=_lifespan(parts), docs_url=None, redoc_url=None,
+                     openapi_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.settings = settings  # (the server's protocol reads its head bounds: gateway/http_guard.py)
     install_handlers(app)
     _operator_routes(app, settings)
     _model_routes(app)
     _completion_routes(app)
     return app
+
+
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI app, with the completion endpoints served ahead of its middleware.
+
+    A ``POST`` to a path in `completion_paths` (``/v1/chat/completions``, ``/v1/completions``) goes
+    straight to its handler: Starlette's and FastAPI's layers around a route (server-error and
+    exception middleware, body-limit and telemetry middleware, the exit stack, the router's match,
+    the route's request/response wrapper) each add a coroutine and a wrapped ``send`` per request,
+    which on this path cost more CPU than the handler's own work on the request. The handler's
+    exceptions get the app's own exception handlers (gateway/errors.py: the OpenAI error shape, a
+    logged 500 for anything unexpected), found as Starlette finds them (by the exception's class,
+    most specific first). Every other request (and the lifespan) goes through the whole app; the
+    completion routes are declared there too (a ``GET`` to them is a 405 from the router).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.completion_paths: dict[str, Callable[[Request], Awaitable[Response]]] = {}
+
+    async def __call__(self, scope, receive, send) -> None:
+        handler = self.completion_paths.get(scope["path"]) if scope["type"] == "http" else None
+        if handler is None or scope["method"] != "POST":
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        request = Request(scope, receive, send)
+        try:
+            response = await handler(request)
+        except Exception as exc:  # noqa: BLE001 (answered by the app's handler for its class)
+            response = await self._handler_for(exc)(request, exc)
+        await response(scope, receive, send)
+
+    def _handler_for(self, exc: Exception):
+        """The app's exception handler for `exc`'s class or its nearest base (Exception's at worst)."""
+        for cls in type(exc).__mro__:
+            if cls in self.exception_handlers:
+                return self.exception_handlers[cls]
+        raise exc  # (unreachable: install_handlers registers one for Exception)
 
 
 def _lifespan(parts: _Parts):
@@ -260,7 +299,7 @@ def _model_routes(app: FastAPI) -> None:
         return JSONResponse(schemas.model_list([model])["data"][0], headers=h)
 
 
-def _completion_routes(app: FastAPI) -> None:
+def _completion_routes(app: GatewayApp) -> None:
     """``/v1/chat/completions`` and ``/v1/completions`` (gateway/completion.py).
 
     Plain Starlette routes: the handlers take the raw request and return a response, so FastAPI's
@@ -274,8 +313,9 @@ def _completion_routes(app: FastAPI) -> None:
     async def completions(request: Request):
         return await serve(_gw(request), request, "text")
 
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
-    app.add_route("/v1/completions", completions, methods=["POST"], include_in_schema=False)
+    for path, handler in (("/v1/chat/completions", chat_completions), ("/v1/completions", completions)):
+        app.add_route(path, handler, methods=["POST"], include_in_schema=False)
+        app.completion_paths[path] = handler
 
 
 __all__ = ["create_app"]

@@ -210,8 +210,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .http_guard import protocol_for
 
+    access_log = settings.log_level.lower() == "debug"
+    # the client's address is read only by the access log: without it, uvicorn's X-Forwarded-For
+    # rewrite (a middleware layer on every request) would be work nobody reads
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            access_log=settings.log_level.lower() == "debug",
+                            access_log=access_log, proxy_headers=access_log,
                             timeout_graceful_shutdown=settings.drain_timeout_s + 3,
                             http=protocol_for(settings))
     install_redaction()  # after uvicorn configured its loggers
