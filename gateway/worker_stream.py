@@ -27,15 +27,14 @@ from collections import deque
 import grpc
 
 from fairshare.contract import DEADLINE_DETAILS as _DEADLINE_DETAILS
+from fairshare.contract import STREAM_MESSAGE_BYTES, fitting
 from fairshare.v1 import worker_pb2 as pb
 
 log = logging.getLogger("fairshare.gateway.worker_stream")
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 _END = object()  # `_final` of a generation that ended OK (each read past it raises a new StopAsyncIteration)
-# Opens per GenerateManyIn message, in bytes: well under the worker's 64 MiB receive limit
-# (worker/grpc_server.py), which one Generate call had to itself.
-MAX_MESSAGE_BYTES = 8 * 2**20
+MAX_MESSAGE_BYTES = STREAM_MESSAGE_BYTES  # opens per GenerateManyIn message, in bytes
 
 
 def _rpc_error(code: grpc.StatusCode, details: str, trailing: tuple = ()) -> grpc.aio.AioRpcError:
@@ -222,12 +221,7 @@ class GenerateStream:
         """The queued opens that fit in one message of at most MAX_MESSAGE_BYTES (at least one; the
         rest wait for the next write), so that a burst of long prompts never meets the channel's
         message limit; their generations count as sent from here on."""
-        size, n = 0, 0
-        for call in self._opens:
-            size += call.open.ByteSize()
-            if n and size > MAX_MESSAGE_BYTES:
-                break
-            n += 1
+        n = fitting((call.open.ByteSize() for call in self._opens), MAX_MESSAGE_BYTES)
         taken = [call.open for call in self._opens[:n]]
         for call in self._opens[:n]:
             call.sent, call.open = True, None

@@ -29,9 +29,12 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from fairshare.contract import DEADLINE_DETAILS as _DEADLINE_DETAILS
+from fairshare.contract import STREAM_MESSAGE_BYTES, fitting
 from fairshare.v1 import worker_pb2 as pb
 
 log = logging.getLogger("fairshare.worker.multiplex")
+
+MAX_MESSAGE_BYTES = STREAM_MESSAGE_BYTES  # events per GenerateManyOut message, in bytes
 
 
 class StreamAbort(grpc.aio.AbortError):
@@ -87,7 +90,8 @@ async def serve_generate_many(generate: Callable, requests: AsyncIterator[pb.Gen
     async iterator of GenerateResponse).
 
     requests: the stream's incoming GenerateManyIn messages. Yields GenerateManyOut messages, each with
-    every event ready since the previous one; a generation's events in order, its end last. Returns
+    every event ready since the previous one (up to `MAX_MESSAGE_BYTES`: more go in the next ones);
+    a generation's events in order, its end last. Returns
     once the gateway has closed its side and every generation has ended; when the stream is
     cancelled, every generation on it is cancelled first. ending: once set (the worker drains, its
     own requests done), the stream ends as soon as nothing runs on it, so that the server's stop
@@ -154,9 +158,10 @@ async def serve_generate_many(generate: Callable, requests: AsyncIterator[pb.Gen
         while True:
             await wake.wait()
             wake.clear()
-            if ready:
-                out = pb.GenerateManyOut(events=ready)
-                ready.clear()
+            while ready:  # (a slow reader lets events pile up: one message each MAX_MESSAGE_BYTES)
+                n = fitting((event.ByteSize() for event in ready), MAX_MESSAGE_BYTES)
+                out = pb.GenerateManyOut(events=ready[:n])
+                del ready[:n]
                 yield out
             if not running and not ready and (reader.done() or (ending is not None and ending.is_set())):
                 break

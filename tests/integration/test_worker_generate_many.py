@@ -28,13 +28,14 @@ class ScriptedWorker(pb_grpc.WorkerServicer):
     """Generate by the prompt's first token id: 1 = answer `prompt[1]` messages of one token each,
     2 = abort INVALID_ARGUMENT with trailing metadata, 3 = hold until cancelled (records it), 4 = raise,
     5 = answer the invocation metadata's keys as text, 6 = hold until `release` is set, then answer one
-    message."""
+    message, 7 = answer `prompt[1]` messages of `prompt[2]` bytes of text each, all at once."""
 
     def __init__(self) -> None:
         self.generate_calls = 0
         self.many_calls = 0
         self.many_ended = 0
         self.in_sizes: list[int] = []
+        self.out_sizes: list[int] = []
         self.holding: set[str] = set()
         self.cancelled: set[str] = set()
         self.release = asyncio.Event()
@@ -62,6 +63,10 @@ class ScriptedWorker(pb_grpc.WorkerServicer):
             self.holding.add(request.request_id)
             await self.release.wait()
             yield pb.GenerateResponse(text_delta="released", finish_reason=pb.FINISH_REASON_STOP)
+        elif kind == 7:
+            for i in range(args[0]):
+                yield pb.GenerateResponse(token_ids=[i], text_delta=f"{i:04d}" + "x" * (args[1] - 4))
+            yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(completion_tokens=args[0]))
         elif kind == 5:
             keys = sorted(k for k, _ in context.invocation_metadata())
             yield pb.GenerateResponse(text_delta=",".join(keys), finish_reason=pb.FINISH_REASON_STOP)
@@ -77,6 +82,7 @@ class ManyWorker(GenerateManyMixin, ScriptedWorker):
                 yield msg
         try:
             async for out in super().GenerateMany(counted(), context):
+                self.out_sizes.append(out.ByteSize())  # the size of every message sent back, in bytes
                 yield out
         finally:
             self.many_ended += 1
@@ -253,6 +259,23 @@ async def test_a_burst_of_long_prompts_is_split_under_the_message_limit(many, mo
     assert servicer.many_calls == 1 and servicer.generate_calls == 10
     one = _req("x", 1, 1, *range(1000)).ByteSize()
     assert len(servicer.in_sizes) >= 10 * one // 4096 and max(servicer.in_sizes) <= 4096 + one, servicer.in_sizes
+
+
+async def test_events_piled_up_go_back_in_messages_under_the_limit_in_order(many, monkeypatch):
+    import worker.multiplex as mx
+
+    servicer, stream, *_ = many
+    monkeypatch.setattr(mx, "MAX_MESSAGE_BYTES", 4096)
+    calls = [stream.generate(_req(f"big{i}", 7, 12, 1000)) for i in range(3)]  # 12 answers of ~1 KB each
+    answers = await asyncio.wait_for(asyncio.gather(*map(_drain, calls)), CEILING_S)
+    for msgs in answers:
+        assert [m.text_delta[:4] for m in msgs[:-1]] == [f"{i:04d}" for i in range(12)]
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    one = pb.GenerateEvent(request_id="big0", response=pb.GenerateResponse(token_ids=[0], text_delta="x" * 1000))
+    # each generation's 12 answers were ready at once: several per message, never past the limit
+    assert len(servicer.out_sizes) >= 3 * 12 * one.ByteSize() // 4096, servicer.out_sizes
+    assert max(servicer.out_sizes) <= 4096 + 64, servicer.out_sizes
+    assert max(servicer.out_sizes) > 2 * one.ByteSize(), servicer.out_sizes
 
 
 async def test_a_generation_cancelled_before_its_open_is_sent_never_reaches_the_worker(many):
