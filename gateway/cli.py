@@ -8,7 +8,7 @@ Gateway
                       [--tenants FILE]                  # tenants YAML (see fairshare/config.py)
                       [--workers ENTRY[,ENTRY]]         # gRPC workers: host:port, dns:///name:port (all
                                                         # its A/AAAA records, re-resolved), file:///path
-                      [--discovery-interval-s 5] [--unhealthy-after 3]
+                      [--discovery-interval-s 5] [--unhealthy-after 3] [--worker-keepalive-s 10]
                       [--routing fair|prefix|least-loaded] [--route-prefix-tokens 32]
                       [--route-load-factor 1.25] [--route-slack-tokens 4096] [--route-spill-units 0]
                       [--redis-url redis://127.0.0.1:6379/0] [--redis-cluster]
@@ -126,6 +126,7 @@ GATEWAY_FLAGS: tuple[tuple[str, str, object, str], ...] = (
     ("--workers", "workers", str, "gRPC workers, comma-separated: host:port, dns:///name:port (every A/AAAA record of the name, e.g. the workers' headless Service; re-resolved) or file:///path (one host:port per line; re-read)"),
     ("--discovery-interval-s", "discovery_interval_s", float, "re-resolve dns:/file: worker entries this often (default 5 s)"),
     ("--unhealthy-after", "unhealthy_after", int, "late health polls in a row before a SERVING worker leaves routing (default 3; NOT_SERVING, draining and a refused connection take it out at once)"),
+    ("--worker-keepalive-s", "worker_keepalive_s", float, "HTTP/2 ping to each worker this often; a worker that does not answer one within as long is taken as gone and its requests fail over (default 10 s; 0: no pings)"),
     ("--routing", "routing", ROUTINGS, "fair (default: prefix affinity, spilling a tenant that queues at home by pool-wide deficit), prefix (tenant namespace + prompt head affinity with a load bound) or least-loaded"),
     ("--route-prefix-tokens", "route_prefix_tokens", int, "prompt tokens in the prefix route key (default 32; 0: tenant affinity only)"),
     ("--route-load-factor", "route_load_factor", float, "a worker over factor x mean in-flight tokens + slack gets no affine request (default 1.25)"),

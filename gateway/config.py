@@ -63,6 +63,11 @@ class GatewaySettings(BaseSettings):
     workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     discovery_interval_s: float = Field(default=5.0, gt=0)  # re-resolve dns/file entries this often
     unhealthy_after: int = Field(default=3, ge=1)  # late health polls in a row before a SERVING worker leaves
+    # HTTP/2 ping on each worker's connection every this many seconds; a worker that does not answer one
+    # within as many seconds is gone (stopped, or its node cut off): its connection is closed, failing
+    # what runs on it as a broken connection does. 0: no pings (a silent worker holds its requests
+    # until their deadlines). The workers accept pings this often (worker/grpc_server.py).
+    worker_keepalive_s: float = Field(default=10.0, ge=0)
     # routing (gateway/routing_policy.py): least-loaded, prefix (namespace + prompt head affinity with a
     # load bound) or fair (prefix + spill by pool-wide deficit of tenants queued at home)
     routing: Literal["least-loaded", "prefix", "fair"] = "fair"

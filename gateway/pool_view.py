@@ -88,7 +88,8 @@ class PoolRuntime:
         self.pool = WorkerPool(settings.workers, health_interval_s=settings.health_interval_s,
                                health_timeout_s=settings.health_timeout_s, local_tokenizer=local_tokenizer,
                                metrics=metrics, discovery_interval_s=settings.discovery_interval_s,
-                               unhealthy_after=settings.unhealthy_after, routing=routing)
+                               unhealthy_after=settings.unhealthy_after, routing=routing,
+                               keepalive_s=settings.worker_keepalive_s)
         self.replicas = ReplicaRegistry(redis, settings.key_prefix, ttl_s=settings.replica_ttl_s,
                                         on_count=control.set_live_replicas)
         if metrics is not None:

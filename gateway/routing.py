@@ -67,6 +67,23 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.enable_retries", 0),
 ]
+
+
+def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
+    """A worker channel's options: message limits, no gRPC retries (the gateway retries itself) and,
+    with `keepalive_s` > 0, an HTTP/2 ping every `keepalive_s` seconds, idle or not, that must be
+    answered within `keepalive_s` seconds or the connection is closed (its calls and its
+    GenerateMany stream fail UNAVAILABLE, as when the worker's connection breaks). A ping is
+    answered by gRPC's own threads, so a worker busy in Python still answers; a stopped process or
+    a node cut off from the network (whose TCP connections stay open without a word) does not.
+    (gRPC 1.85 ends a ping left unanswered by ``grpc.http2.ping_timeout_ms``; ``keepalive_timeout_ms``
+    alone did not, measured on a stopped server.)"""
+    if keepalive_s <= 0:
+        return list(_CHANNEL_OPTIONS)
+    ms = max(1, round(keepalive_s * 1000))
+    return [*_CHANNEL_OPTIONS, ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.http2.ping_timeout_ms", ms), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0)]
 # gRPC codes that mean "this request is wrong", not "this worker is broken": never retried
 _CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
@@ -99,10 +116,12 @@ class WorkerClient:
     """Connection and state of one worker (``host:port``). Token counts are prompt + max_tokens.
 
     slow_probes: consecutive late health polls. retired: left the worker list (discovery); gets no
-    new requests and is closed once this gateway has nothing in flight on it.
+    new requests and is closed once this gateway has nothing in flight on it. keepalive_s: the
+    channel's ping interval and timeout in seconds (`channel_options`; 0: none).
     """
 
     addr: str
+    keepalive_s: float = 0.0
     channel: grpc.aio.Channel | None = None
     healthy: bool = False
     agrees: bool = False
@@ -125,7 +144,7 @@ class WorkerClient:
     def connect(self) -> None:
         """Create the channel and stubs (lazy; no I/O)."""
         if self.channel is None:
-            self.channel = grpc.aio.insecure_channel(self.addr, options=_CHANNEL_OPTIONS)
+            self.channel = grpc.aio.insecure_channel(self.addr, options=channel_options(self.keepalive_s))
             self.stub = pb_grpc.WorkerStub(self.channel)
             self.health = health_pb2_grpc.HealthStub(self.channel)
             self.generations = GenerateStream(self.stub)
@@ -189,13 +208,14 @@ class WorkerPool:
                  local_tokenizers: dict[str, TokenizerFiles] | None = None,
                  local_tokenizer: TokenizerFiles | None = None, metrics=None,
                  discovery_interval_s: float = DEFAULT_INTERVAL_S, unhealthy_after: int = 3,
-                 routing: RoutingPolicy | str = "least-loaded") -> None:
+                 routing: RoutingPolicy | str = "least-loaded", keepalive_s: float = 0.0) -> None:
         if unhealthy_after < 1:
             raise ValueError("unhealthy_after must be >= 1")
         self.sources = parse_sources(addrs)
         self.discovery = Discovery(self.sources, self._set_addresses, discovery_interval_s)
         # static entries are known now (no I/O): the pool lists them before it starts
-        self.workers = [WorkerClient(s.target) for s in self.sources if s.kind == "static"]
+        self.keepalive_s = keepalive_s
+        self.workers = [WorkerClient(s.target, keepalive_s) for s in self.sources if s.kind == "static"]
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.unhealthy_after = int(unhealthy_after)
@@ -225,7 +245,7 @@ class WorkerPool:
             elif not gone and w.retired:
                 log.info("worker %s is back in the worker list", w.addr)
                 w.retired = False
-        added = [WorkerClient(a) for a in sorted(addrs) if a not in known]
+        added = [WorkerClient(a, self.keepalive_s) for a in sorted(addrs) if a not in known]
         for w in added:
             log.info("worker %s joined the worker list", w.addr)
             self.workers.append(w)

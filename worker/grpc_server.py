@@ -13,9 +13,16 @@ from fairshare.ports import port_in_use
 
 # Messages up to 64 MiB (ModelInfo carries the tokenizer). so_reuseport off: a port another process
 # already listens on fails the bind instead of silently sharing its connections with that process.
+# The gateway pings every connection (`fairshare gateway --worker-keepalive-s`, 10 s by default),
+# also while nothing is sent on it: accepted as often as once a second and never answered with
+# GOAWAY (gRPC's default takes a ping more often than every 5 minutes without data as abuse and,
+# at the third, closes the connection with every call on it).
 SERVER_OPTIONS = (("grpc.max_send_message_length", 64 * 2**20),
                   ("grpc.max_receive_message_length", 64 * 2**20),
-                  ("grpc.so_reuseport", 0))
+                  ("grpc.so_reuseport", 0),
+                  ("grpc.keepalive_permit_without_calls", 1),
+                  ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+                  ("grpc.http2.max_ping_strikes", 0))
 
 
 def new_server() -> grpc.aio.Server:

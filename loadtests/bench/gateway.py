@@ -60,6 +60,7 @@ from fairshare.local_redis import start_redis
 from fairshare.ports import free_port, wait_for_port
 from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
+from worker import grpc_server
 from worker.multiplex import GenerateManyMixin
 from worker.scheduling.metrics import percentile
 
@@ -144,7 +145,7 @@ class EchoServer:
         self._loop.run_until_complete(self._serve())
 
     async def _serve(self) -> None:
-        self.server = grpc.aio.server()
+        self.server = grpc_server.new_server()  # (the workers' options: the gateway's pings are welcome)
         pb_grpc.add_WorkerServicer_to_server(EchoWorker(self.tokens_per_message, self.files), self.server)
         hs = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(hs, self.server)

@@ -189,7 +189,11 @@ def test_worker_killed_under_two_streams_is_restarted_and_three_deaths_stop_ever
     assert_all_stopped(up, info3)
 
 
-def test_redis_killed_under_open_streams_comes_back_with_their_leases(tmp_path):
+def test_redis_killed_under_open_streams_comes_back_with_their_leases(tmp_path, monkeypatch):
+    # the worker is held with SIGSTOP for as long as the Redis restart takes: the gateway's pings,
+    # which would take the silent worker for a node cut off and fail its streams
+    # (tests/reliability/test_worker_faults.py), are off here
+    monkeypatch.setenv("FAIRSHARE_WORKER_KEEPALIVE_S", "0")
     up = platform(tmp_path)
     info = up.run_info()
     r = redis_client(up)

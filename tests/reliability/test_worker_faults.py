@@ -1,5 +1,6 @@
 """Worker faults with two real workers: one killed (SIGKILL) in the middle of streamed and non-streamed
-requests, one drained (SIGTERM) with work in flight.
+requests, one drained (SIGTERM) with work in flight, one stopped (SIGSTOP: a node cut off, its
+connections open and silent) mid-stream.
 
 Killed: the clients on that worker get an OpenAI-shaped error (an SSE ``data:`` error event for a
 stream, a 5xx JSON body otherwise), the requests on the other worker finish normally, the tenant's
@@ -18,6 +19,8 @@ deadline however fast the machine.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -238,3 +241,49 @@ def _tokens(gw: InProcessGateway, tenant: str) -> dict:
                     smp.labels.get("kind") in ("prompt", "completion"):
                 out[(smp.labels["kind"], tuple(sorted(smp.labels.items())))] = smp.value
     return out
+
+
+def test_a_silent_worker_is_cut_off_by_the_keepalive_and_its_stream_fails_over(workers, redis_url, tmp_path):
+    """A worker stopped mid-stream (SIGSTOP: its TCP connections stay open, nothing answers on them,
+    as with a node cut off) is found out by the gateway's HTTP/2 pings (``worker_keepalive_s``, 1 s
+    here): the stream on it ends with an OpenAI error event, its lease is released, the worker is out
+    of routing at once and the next requests go to the other worker. Without the pings nothing would
+    end the stream before its deadline (the health poll, every 30 s here, only stops new routing)."""
+    gw = InProcessGateway(tmp_path / "gw", [{"id": "ws", "limits": {"tpm": 10**6}}], workers.addrs, redis_url,
+                          health_interval_s=30.0, routing="least-loaded", worker_keepalive_s=1.0).wait_ready()
+    controls = [workers.control(i) for i in range(2)]
+    http = httpx.Client(timeout=60)  # a read that waits 60 s for the error event fails the test
+    stopped = None
+    try:
+        for c in controls:
+            c.hold()
+        opened: list[httpx.Response] = []
+        t = open_in_thread(http, gw, "ws", LONG, opened)
+        wait_until(lambda: len(arrived(workers, "ws")) == 1, "the stream's request at a worker")
+        (rid, addr), = arrived(workers, "ws").items()
+        victim = workers.addrs.index(addr)
+        controls[victim].run_until_tokens("ws", requests=1, tokens=1)
+        join_all([t], "the stream opened")
+        stream = opened[0]
+        assert stream.status_code == 200 and stream.headers["x-request-id"] == rid
+        controls[1 - victim].release()
+
+        stopped = workers.procs[victim].pid
+        os.kill(stopped, signal.SIGSTOP)
+        events, done = read_stream(stream)  # the first token, then (the worker silent) the error
+        assert not done and events, events
+        err = assert_error_object(events[-1])
+        assert err["type"] == "server_error" and err["code"] == "service_unavailable", err
+        wait_until(lambda: not gw.gw.live, "the stream settled")
+        assert live_leases(_sync(redis_url), gw.prefix, "ws") == set()
+        state = {w["addr"]: w["healthy"] for w in gw.readyz()["workers"]}
+        assert state == {addr: False, workers.addrs[1 - victim]: True}, state
+        for _ in range(2):
+            r = gw.client("ws").chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+            assert r.choices[0].finish_reason in ("length", "stop")
+        assert finished(workers.addrs[1 - victim], "ws") >= 2
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        http.close()
+        gw.stop()
