@@ -60,7 +60,7 @@ import time
 import uuid
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fairshare import worker_auth
 from fairshare.tiers import DEFAULT_TIER
@@ -353,7 +353,7 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     if configure is not None:
         configure(server, engine, servicer)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = grpc_server.HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = grpc_server.bind(server, host, port)
     if metrics_port:
@@ -412,6 +412,7 @@ async def serve(engine: Engine, model_name: str | list[str], host: str, port: in
     if pool is not None:
         pool.stop()
     servicer.end_generate_many()  # idle GenerateMany streams end now, not at the grace's end
+    health_servicer.end_watches()  # so do the gateways' health watches (they saw NOT_SERVING)
     await server.stop(grace=2.0)
     log.info("stopped (refused %d request(s) while draining)", servicer.refused_while_draining)
     servicer.metrics.stop()

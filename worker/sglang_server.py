@@ -732,13 +732,13 @@ async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_time
     SGLang's own SIGQUIT handler, which ends the process tree. Raises OSError when the port is taken."""
     import signal
 
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     tm = servicer.engine.tokenizer_manager
     tm.auto_create_handle_loop()  # SGLang's loop task (and its SIGQUIT handler), before our signals
     server = grpc_server.new_server()
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = grpc_server.HealthService()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = grpc_server.bind(server, host, port)
     await server.start()
@@ -775,6 +775,7 @@ async def serve(servicer: SGLangWorkerServicer, host: str, port: int, drain_time
     for rid in list(servicer.live.values()):
         servicer._abort_sglang(rid)
     servicer.end_generate_many()  # idle GenerateMany streams end now, not at the grace's end
+    health_servicer.end_watches()  # so do the gateways' health watches (they saw NOT_SERVING)
     await server.stop(grace=2.0)
 
 

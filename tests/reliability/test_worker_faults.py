@@ -24,6 +24,7 @@ import signal
 import threading
 import time
 
+import grpc
 import httpx
 
 from tests.reliability.conftest import (HELLO, MODEL, InProcessGateway, assert_error_object, assert_error_response,
@@ -182,6 +183,7 @@ def test_worker_sigterm_drains(workers, redis_url, tmp_path):
         a_addr, b_addr = workers.addrs[1 - b], short_addr
         assert sorted(where.values()) == sorted([a_addr, b_addr, b_addr]), where
 
+        watch = HealthWatch(b_addr)  # a health watch of our own on the worker that will drain
         t_term = time.monotonic()
         workers.term(b)
         wait_until(lambda: get_load(b_addr).draining, "worker draining")
@@ -209,6 +211,9 @@ def test_worker_sigterm_drains(workers, redis_url, tmp_path):
         rc = workers.procs[b].wait(120)
         t_exit = time.monotonic() - t_term
         assert rc == 0
+        # the health watch was ended by the worker (OK) after NOT_SERVING, not cut at the server's grace
+        statuses, code = watch.result()
+        assert statuses[-1] == "NOT_SERVING" and code == grpc.StatusCode.OK, (statuses, code)
         long_a.close()
         wait_until(lambda: not gw.gw.live, "every request settled")
         assert live_leases(_sync(redis_url), gw.prefix, "wd") == set()
@@ -217,6 +222,37 @@ def test_worker_sigterm_drains(workers, redis_url, tmp_path):
     finally:
         http.close()
         gw.stop()
+
+
+class HealthWatch:
+    """A ``grpc.health.v1`` Watch of the Worker service on `addr`, read by a thread: the statuses it
+    got, and the code it ended with (`result`)."""
+
+    def __init__(self, addr: str) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        self._channel = grpc.insecure_channel(addr)
+        self._call = health_pb2_grpc.HealthStub(self._channel).Watch(
+            health_pb2.HealthCheckRequest(service="fairshare.v1.Worker"))
+        self._name = health_pb2.HealthCheckResponse.ServingStatus.Name
+        self.statuses: list[str] = []
+        self.code = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        wait_until(lambda: self.statuses, f"the first health status from {addr}")
+
+    def _read(self) -> None:
+        try:
+            for resp in self._call:
+                self.statuses.append(self._name(resp.status))
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            self.code = e.code()
+
+    def result(self, timeout_s: float = 60.0) -> tuple[list[str], object]:
+        join_all([self._thread], "the health watch ended", timeout_s)
+        self._channel.close()
+        return self.statuses, self.code
 
 
 _SYNC = {}
