@@ -1,6 +1,6 @@
 """GenerateMany: many generations on one gRPC stream, each run by the servicer's own ``Generate``.
 
-A ``grpc.aio`` call costs the gateway about 0.3-0.4 ms of CPU on its own (the call object, its
+A ``grpc.aio`` call costs the gateway about 0.4-0.5 ms of CPU on its own (the call object, its
 metadata, its deadline, one completion-queue batch per operation), more than the rest of a
 short request. So the gateway keeps one ``GenerateMany`` stream open per worker
 (gateway/worker_stream.py) and sends every request on it: a ``GenerateOpen`` carries the request
