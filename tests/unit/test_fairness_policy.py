@@ -151,6 +151,17 @@ def test_gate_counts_one_skip_per_iteration_then_reserves():
         EligibilityGate(-1)
 
 
+def test_gate_reserves_for_a_preempted_head_at_its_next_skip():
+    g = EligibilityGate(max_skips=8)
+    g.on_skip("big", "r1", 10, 1)
+    g.on_admit("big", "r1")             # admitted in its turn...
+    g.on_preempt("big")                 # ...then preempted back to the front of its queue
+    assert g.reservation is None
+    g.on_skip("big", "r1", 12, 2)       # its first skip since: the room it gave up is held for it
+    assert g.reservation is not None and g.reservation.request_id == "r1" and g.reservation.blocks == 12
+    assert g.available_blocks("small", "r9", 15) == 3
+
+
 # ---- scheduler: prefill split and eligibility ------------------------------------------------------------
 def seq(tenant, prompt_len, weight=1.0, max_tokens=4):
     """A request of `tenant` (four output tokens unless told)."""

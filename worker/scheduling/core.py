@@ -332,6 +332,7 @@ class SchedulingCore:
         self.stats.preemptions[reason] = self.stats.preemptions.get(reason, 0) + 1
         self.stats.preemptions_by_tenant[ts.tenant_id] = self.stats.preemptions_by_tenant.get(ts.tenant_id, 0) + 1
         self._set_backlogged(ts)  # backlogged again (lifted if it was not)
+        self.gate.on_preempt(ts.tenant_id)  # not skipped max_skips times again
         self._dirty.add(ts.tenant_id)
 
     def _leave_running(self, e: Entry) -> None:

@@ -99,6 +99,13 @@ class EligibilityGate:
             self.reservation = None
             self._publish()
 
+    def on_preempt(self, tenant_id: str) -> None:
+        """A running request of `tenant_id` was preempted back to the front of its queue: it had its
+        turn already, so it is not skipped `max_skips` times again; at its next skip memory is
+        reserved for it (when no other reservation is held), and the room it gave up goes to it, not
+        to whoever is admitted next."""
+        self.skips[tenant_id] = max(self.skips.get(tenant_id, 0), self.max_skips)
+
     def on_drop(self, tenant_id: str, request_id: str) -> None:
         """`request_id` left without being admitted (cancelled): release a reservation it held."""
         if self.reservation is not None and self.reservation.request_id == request_id:
