@@ -4,7 +4,9 @@ Each example drives the real Engine and Scheduler on the simulated runner (virtu
 model) and measures, with worker.scheduling.metrics, the max weighted service difference between
 tenants over every interval in which both are backlogged (queued or prefilling):
 
-- VTC never exceeds `2·max(α·chunk, β·M) / w_min` (DESIGN.md's bound; M = KV pool tokens);
+- VTC never exceeds `2·max(α·chunk, β·M) / w_min` (DESIGN.md's bound; M = KV pool tokens) when it
+  never admits past its smallest-counter head (max_skips 0, as in VTC's own loop); with the default
+  bounded skips, not by more than the skipped admissions cost (`skip_allowance`);
 - a tenant that idles and returns gains no credit (policy-level invariant, and after returning it
   does not out-earn a continuously backlogged tenant beyond the bound);
 - DRR's difference is bounded (one quantum per unit weight on top of VTC's bound);
