@@ -83,8 +83,11 @@ def create_app(settings: GatewaySettings, *, directory: TenantDirectory | None =
     # FastAPI's own OpenTelemetry instrumentation stays off: the gateway traces requests itself
     # (gateway.request is the SERVER span) and counts them in Prometheus; left on, it would check the
     # global providers on every request and, with one installed, add a second server span
+    # redirect_slashes off: a path with a stray slash is answered by the OpenAI-shaped 404, not with a
+    # 307 to a location built from the client's Host header
     app = GatewayApp(title="FairShare gateway", lifespan=_lifespan(parts), docs_url=None, redoc_url=None,
-                     openapi_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
+                     openapi_url=None, telemetry={"tracing": False, "metrics": False, "logs": False},
+                     redirect_slashes=False)
     app.state.settings = settings  # (the server's protocol reads its head bounds: gateway/http_guard.py)
     install_handlers(app)
     _operator_routes(app, settings)

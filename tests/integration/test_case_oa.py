@@ -206,6 +206,11 @@ def test_case_oa5_malformed_bodies_and_routes(gw):
         assert_openai_error(r, 400, "invalid_request_error")
     assert_openai_error(httpx.get(gw.base_url + "/v1/nothing-here", headers=h), 404, "invalid_request_error")
     assert_openai_error(httpx.get(gw.base_url + "/v1/chat/completions", headers=h), 405)
+    # a stray slash is not redirected (a 307 would point at whatever Host the client sent)
+    r = httpx.post(gw.base_url + "/v1/chat/completions/", headers={**h, "host": "evil.example"},
+                   json={"model": MODEL, "messages": HELLO})
+    assert_openai_error(r, 404, "invalid_request_error")
+    assert "location" not in r.headers
     with pytest.raises(openai.NotFoundError) as e:
         gw.client("oa-main").chat.completions.create(model="nope", messages=HELLO)
     assert e.value.code == "model_not_found"
