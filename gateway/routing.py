@@ -68,6 +68,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.enable_retries", 0),
 ]
 
+# gRPC codes that mean "this request is wrong", not "this worker is broken": never retried
+_CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
+
 
 def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
     """A worker channel's options: message limits, no gRPC retries (the gateway retries itself) and,
@@ -84,8 +87,6 @@ def channel_options(keepalive_s: float) -> list[tuple[str, int]]:
     return [*_CHANNEL_OPTIONS, ("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
             ("grpc.http2.ping_timeout_ms", ms), ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0)]
-# gRPC codes that mean "this request is wrong", not "this worker is broken": never retried
-_CLIENT_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The gateway's side of GenerateMany: every generation on a worker shares one gRPC stream.
 
-One ``grpc.aio`` call per request costs the gateway about 0.4-0.5 ms of CPU (0.37-0.50 ms at 32 concurrent, measured in
-docs/architecture.md, "What a request costs the gateway"). `GenerateStream` keeps one
-``GenerateMany`` stream (worker/multiplex.py) open per worker instead: `GenerateStream.generate`
+One ``grpc.aio`` call per request costs the gateway about 0.4-0.5 ms of CPU (0.37-0.50 ms at 32
+concurrent, measured in docs/architecture.md, "What a request costs the gateway"). `GenerateStream`
+keeps one ``GenerateMany`` stream (worker/multiplex.py) open per worker instead: `GenerateStream.generate`
 sends a request as a ``GenerateOpen`` (what the call's metadata and deadline would carry, inside the
 message; the opens and cancels of one event-loop iteration in one message) and returns a
 `StreamedGenerate`, which behaves as the ``grpc.aio`` Generate call the rest of the gateway reads:
