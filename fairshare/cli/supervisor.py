@@ -10,7 +10,12 @@
   line when it dies and when it is back; a child that dies `restart_limit` times within
   `restart_window_s` seconds is not restarted again: `watch()` raises `CrashLoop`, whose message is
   the one line that says which child and why (exit status or signal, last log line). The same policy
-  as systemd's ``Restart=always`` with ``StartLimitBurst``/``StartLimitIntervalSec``.
+  as systemd's ``Restart=always`` with ``StartLimitBurst``/``StartLimitIntervalSec``, except for a
+  child that served and then ended cleanly (status 0, or a SIGTERM someone else sent it): the gateway
+  and the worker exit so only after draining on a SIGTERM (`clean_exit`), which is an operator's
+  stop or a rolling restart, not a crash. It is restarted after the first backoff and announced as
+  stopped, and it does not count toward `restart_limit`; a child that ends so while it is being
+  restarted (before it is ready and serving again) counts, as any death then does.
 - Lines of a child's output that start with a marker in `ChildSpec.notices` are forwarded to the
   terminal as one-line notices (the gateway's rejected reloads of the tenants file).
 """
@@ -235,6 +240,12 @@ def stop_child(child: Child, timeout_s: float = STOP_TIMEOUT_S) -> None:
         child.pump.join(2)
 
 
+def clean_exit(returncode: int) -> bool:
+    """True for the end of a child that drained before it went: exit status 0 (the gateway and the
+    worker exit 0 once drained on SIGTERM), or killed by SIGTERM itself."""
+    return returncode in (0, -signal.SIGTERM)
+
+
 def describe_exit(returncode: int) -> str:
     """``killed by SIGKILL (signal 9)`` or ``exited with status 1``."""
     if returncode < 0:
@@ -290,7 +301,7 @@ class _Restart:
     phase: str  # "backoff" -> "starting" -> "serving"
     due: float  # backoff: when to start; starting/serving: the deadline
     child: Child | None = None
-    sigterm: bool = False  # the child ended on a SIGTERM (sent by someone else: it drained first)
+    sigterm: bool = False  # the child ended cleanly while serving (`clean_exit`: it drained first)
 
 
 def shown_path(path: Path | None) -> str:
@@ -353,33 +364,41 @@ class Supervisor:
         """One round: notice deaths, advance every restart in progress."""
         for child in list(self.children):
             if child.name not in self.pending and child.proc.poll() is not None:
-                self._died(child)
+                self._died(child, serving=True)
         for name, r in list(self.pending.items()):
             self._advance(name, r)
 
-    def _died(self, child: Child) -> None:
+    def _died(self, child: Child, serving: bool = False) -> None:
+        """`child` has exited: schedule its restart, or raise CrashLoop. serving: it had been serving
+        (not coming back from an earlier death), so a clean exit is a drain, not a death."""
         now = self.clock()
         name = child.name
         reason = describe_exit(child.proc.returncode)
         last = child.last_line()
         crashes = self.crashes.setdefault(name, collections.deque())
-        crashes.append(now)
         while crashes and now - crashes[0] > self.restart_window_s:
             crashes.popleft()
-        log = f"log: {shown_path(child.log_path)}" if child.log_path else "it left no log"
-        if len(crashes) >= self.restart_limit:
-            raise CrashLoop(f"the {name} died {len(crashes)} times within {self.restart_window_s:g} s (last: {reason}; "
-                            f"its last log line: {last!r}); not restarting it again: stopping everything ({log})")
-        backoff = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (len(crashes) - 1))
-        self.notify(f"fairshare up: the {name} died: {reason}; restarting it in {backoff:g} s (death {len(crashes)} "
-                    f"within {self.restart_window_s:g} s, death {self.restart_limit} stops everything); "
-                    f"its last log line: {last!r}")
+        if serving and clean_exit(child.proc.returncode):
+            self.notify(f"fairshare up: the {name} stopped: {reason} (a clean exit: it drained first); restarting it "
+                        f"in {BACKOFF_FIRST_S:g} s (not counted as a death); its last log line: {last!r}")
+            backoff = BACKOFF_FIRST_S
+        else:
+            crashes.append(now)
+            log = f"log: {shown_path(child.log_path)}" if child.log_path else "it left no log"
+            if len(crashes) >= self.restart_limit:
+                raise CrashLoop(f"the {name} died {len(crashes)} times within {self.restart_window_s:g} s (last: "
+                                f"{reason}; its last log line: {last!r}); not restarting it again: stopping "
+                                f"everything ({log})")
+            backoff = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (len(crashes) - 1))
+            self.notify(f"fairshare up: the {name} died: {reason}; restarting it in {backoff:g} s (death "
+                        f"{len(crashes)} within {self.restart_window_s:g} s, death {self.restart_limit} stops "
+                        f"everything); its last log line: {last!r}")
         try:  # whatever is left of its process group goes too
             os.killpg(child.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         self.pending[name] = _Restart(died_at=now, phase="backoff", due=now + backoff, child=child,
-                                      sigterm=child.proc.returncode == -signal.SIGTERM)
+                                      sigterm=clean_exit(child.proc.returncode))
 
     def _advance(self, name: str, r: _Restart) -> None:
         spec = self.specs[name]
@@ -431,4 +450,4 @@ class Supervisor:
 
 
 __all__ = ["Child", "ChildDied", "ChildSpec", "CrashLoop", "SIGNALS", "Signals", "Stop", "Supervisor",
-           "describe_exit", "shown_path", "spawn", "stop_child", "wait_ready"]
+           "clean_exit", "describe_exit", "shown_path", "spawn", "stop_child", "wait_ready"]

@@ -21,9 +21,11 @@ class Clock:
         return self.now
 
 
-def sleeper_spec(tmp_path, name="worker", ready=None, serving=None) -> ChildSpec:
-    """A child that prints a line, then sleeps; ready (by default) once its current process printed it."""
-    cmd = [sys.executable, "-c", f"print('{name} says hello', flush=True); import time; time.sleep(120)"]
+def sleeper_spec(tmp_path, name="worker", ready=None, serving=None, drains=False) -> ChildSpec:
+    """A child that prints a line, then sleeps; ready (by default) once its current process printed it.
+    drains: it exits with status 0 on SIGTERM, as the gateway and the worker do once drained."""
+    on_term = "import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); " if drains else ""
+    cmd = [sys.executable, "-c", f"{on_term}print('{name} says hello', flush=True); import time; time.sleep(120)"]
     started = []
 
     def start(children):
@@ -106,6 +108,49 @@ def test_the_back_notice_says_whether_the_child_drained(sup, tmp_path, sig, note
     sup.fake_clock.now += 0.5
     step_until(sup, lambda: back(sup), "the restart announced")
     assert sup.notes[-1].endswith(note), sup.notes[-1]
+
+
+def term(child) -> None:
+    os.kill(child.proc.pid, signal.SIGTERM)
+    child.proc.wait(10)
+    child.pump.join(5)
+
+
+def test_a_clean_exit_after_a_drain_is_restarted_without_counting_as_a_death(sup, tmp_path):
+    """A serving child that exits 0 on a SIGTERM someone else sent (the gateway's and the worker's
+    drain) is restarted and announced as stopped; any number of such exits within the window never
+    stop everything, and a crash afterwards is still death 1."""
+    spec = sleeper_spec(tmp_path, drains=True)
+    spec.drained_note = "it drained first"
+    child = sup.launch(spec)
+    for stop in range(1, 5):  # more than restart_limit (3) drains within the window
+        term(child)
+        assert child.proc.returncode == 0
+        sup.step()
+        assert sup.notes[-1].startswith("fairshare up: the worker stopped: exited with status 0 (a clean exit: it "
+                                        "drained first); restarting it in 0.5 s (not counted as a death)"), sup.notes[-1]
+        sup.fake_clock.now += 1
+        step_until(sup, lambda: back(sup), f"the restart after drain {stop} announced")
+        assert sup.notes[-1].endswith("; it drained first")
+        child = sup.current("worker")
+        assert child.proc.poll() is None
+    assert not sup.crashes.get("worker")
+    kill(child)
+    sup.step()
+    assert "died: killed by SIGKILL (signal 9)" in sup.notes[-1] and "death 1 within 60 s" in sup.notes[-1]
+
+
+def test_a_clean_exit_while_coming_back_counts_as_a_death(sup, tmp_path):
+    """A restarted child that exits 0 before it is serving again is broken, not draining: counted."""
+    serving = {"yes": False}
+    first = sup.launch(sleeper_spec(tmp_path, drains=True, serving=lambda: serving["yes"]))
+    kill(first)
+    sup.step()
+    sup.fake_clock.now += 1
+    step_until(sup, lambda: sup.pending["worker"].phase == "serving", "the restarted child ready")
+    term(sup.current("worker"))
+    sup.step()
+    assert "died: exited with status 0" in sup.notes[-1] and "death 2 within 60 s" in sup.notes[-1], sup.notes[-1]
 
 
 def test_the_restart_is_announced_only_once_it_serves(sup, tmp_path):
