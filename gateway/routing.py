@@ -679,14 +679,15 @@ def _call_worker(w: WorkerClient, request: pb.GenerateRequest, attempt: int, cos
         req.CopyFrom(request)
         req.request_id = f"{request.request_id}.r{attempt}"
     w.local_inflight += cost
+    many = w.info is not None and w.info.generate_many  # on the worker's one GenerateMany stream (worker_stream.py)
     span = tracer.start_span("gateway.worker_call", context=parent, kind=SpanKind.CLIENT, attributes={
-        "rpc.system": "grpc", "rpc.service": WORKER_SERVICE, "rpc.method": "Generate",
+        "rpc.system": "grpc", "rpc.service": WORKER_SERVICE, "rpc.method": "GenerateMany" if many else "Generate",
         "server.address": w.addr, "fairshare.request_id": req.request_id, "fairshare.attempt": attempt})
     metadata = inject_metadata(trace.set_span_in_context(span))
     if signer is not None:
         metadata = [*(metadata or ()), *signer.metadata(generate_claims(req))]
     timeout = None if deadline is None else max(0.001, deadline - time.monotonic())
-    if w.info is not None and w.info.generate_many:  # on the worker's one GenerateMany stream (worker_stream.py)
+    if many:
         call = w.generations.generate(req, metadata=metadata or None, timeout=timeout)
     else:
         call = w.stub.Generate(req, metadata=metadata or None, timeout=timeout)

@@ -160,6 +160,8 @@ def test_gateway_span_parents_worker_spans_across_grpc(traced_stack):
     assert by_name["gateway.routing"][0].attributes["fairshare.worker"] == worker.addr
     call = by_name["gateway.worker_call"][0]
     assert call.kind == trace.SpanKind.CLIENT and call.attributes["server.address"] == worker.addr
+    # the reference worker multiplexes the gateway's calls on one GenerateMany stream: the span names it
+    assert call.attributes["rpc.method"] == "GenerateMany"
     assert by_name["gateway.streaming"][0].attributes["fairshare.completion_tokens"] == 6
 
     # across the hop: the worker's server span is the child of the gateway's client span

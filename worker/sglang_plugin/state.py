@@ -307,7 +307,8 @@ class FairShareState:
     def on_arrival(self, req, is_retracted: bool = False) -> None:
         """Before SGLang queues `req` (`Scheduler._add_request_to_queue`). A new request is queued
         in the core (its tenant backlogged, lifted by VTC); a request SGLang retracted is a
-        recompute preemption for the core (back at the front of its tenant's queue, no lift)."""
+        recompute preemption for the core (`SchedulingCore.preempt`: back at the front of its
+        tenant's queue, its counter lifted as for any arrival when the tenant was not backlogged)."""
         tag = self.tag_of(req)
         tr = self.tracked.get(req.rid)
         if tr is None:
