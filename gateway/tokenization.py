@@ -246,12 +246,32 @@ class ChatTokenizer:
         BPE token's string is its bytes; a SentencePiece ``▁`` or a ``<0x..>`` byte token is longer
         than what it covers, added tokens count their content), so ``ceil(bytes / max_token_bytes)``
         tokens at least. Sound only when nothing shortens the text before it is split: 0 (no bound)
-        when the tokenizer has a normalizer.
+        when the tokenizer has a normalizer. A byte-level BPE without an unknown token drops the bytes
+        its vocabulary has no symbol for (SmolLM2 lacks 21 of the 256, e.g. ``\x16``, which encodes
+        to no token at all): those bytes are not counted (`dropped_bytes`); a tokenizer of another kind
+        that may drop characters unseen (no unknown token, no byte fallback) gets no bound.
         """
-        if self.tokenizer.normalizer is not None:
+        dropped = self.dropped_bytes
+        if dropped is None:
             return 0
-        size = len(text.encode("utf-8", "surrogatepass"))
+        data = text.encode("utf-8", "surrogatepass")
+        size = len(data.translate(None, dropped) if dropped else data)
         return -(-size // self.max_token_bytes)
+
+    @functools.cached_property
+    def dropped_bytes(self) -> bytes | None:
+        """The byte values the tokenizer drops without a token (b"": none), or None when it may shorten
+        or drop text in ways not listed here (a normalizer; a model other than byte-level that has no
+        unknown token and no byte fallback): `min_tokens` then gives no bound."""
+        if self.tokenizer.normalizer is not None:
+            return None
+        model = self.tokenizer.model
+        if getattr(model, "unk_token", None) or getattr(model, "byte_fallback", False):
+            return b""  # an unknown character becomes a token of its own
+        if "ByteLevel(" not in repr(self.tokenizer.pre_tokenizer):
+            return None
+        vocab = self.tokenizer.get_vocab(with_added_tokens=False)
+        return bytes(b for b, ch in enumerate(_byte_level_alphabet()) if ch not in vocab)
 
     @functools.cached_property
     def max_token_bytes(self) -> int:
@@ -274,3 +294,20 @@ class ChatTokenizer:
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows (including added tokens)."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+@functools.cache
+def _byte_level_alphabet() -> tuple[str, ...]:
+    """The character GPT-2's byte-level pre-tokenizer maps each byte value (0-255) to: printable
+    Latin-1 bytes to themselves, the other 68 to U+0100 onwards in byte order (the `tokenizers`
+    ByteLevel mapping)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out, n = {}, 0
+    for b in range(256):
+        if b in kept:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return tuple(out[b] for b in range(256))

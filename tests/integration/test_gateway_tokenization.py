@@ -11,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import settings as hyp_settings
 from hypothesis import strategies as st
 
@@ -62,6 +62,8 @@ LONG_RUNS = [" " * 500, "\n" + " " * 300, "\t" * 200, "\n" * 200, "<|im_start|>"
 
 @hyp_settings(max_examples=300, deadline=None)
 @given(st.lists(st.one_of(st.text(max_size=80), st.sampled_from(LONG_RUNS)), max_size=6).map("".join))
+@example("\x16")  # a byte SmolLM2's vocabulary has no symbol for: encoded to no token (found by this test)
+@example("\x04\x06\x13\x14\x16\x1d" * 50 + "\U00040000\U00080000")  # every such byte of valid UTF-8
 def test_min_tokens_never_exceeds_the_real_encoding(real_tokenizer, text):
     """The length bound the gateway refuses over-context prompts with is a lower bound of the real
     SmolLM2 tokenizer's count, for raw text and for the rendered chat (code, CJK, emoji, whitespace runs,
@@ -81,6 +83,29 @@ def test_min_tokens_is_tight_enough_to_matter_and_refuses_before_encoding(real_t
         tok.encode_text(text, limit=2047)
     assert e.value.at_least == tok.min_tokens(text) and e.value.limit == 2047
     assert tok.encode_text("word " * 100, limit=2047) == tok.encode_text("word " * 100)  # under it: encoded as usual
+
+
+def test_bytes_the_vocabulary_cannot_encode_are_not_counted(real_tokenizer):
+    """SmolLM2's byte-level BPE has no unknown token and no symbol for 21 byte values: text made of
+    them encodes to nothing, so the bound counts only the bytes a token can stand for."""
+    tok = real_tokenizer
+    assert list(tok.dropped_bytes) == [4, 6, 19, 20, 22, 29, 192, 193, 241, 242, *range(245, 256)]
+    assert tok.encode_text("\x16" * 5000) == [] and tok.min_tokens("\x16" * 5000) == 0
+    text = "\x16" * 5000 + "word " * 1000
+    assert tok.min_tokens(text) == -(-len("word " * 1000) // 81) <= len(tok.encode_text(text))
+
+
+def test_no_bound_when_the_model_may_drop_characters_unseen():
+    """A BPE that is not byte-level, without an unknown token or byte fallback, drops characters it has
+    no symbol for (which cannot be listed): no bound. With an unknown token, every character counts."""
+    spec = json.loads(WORD_LEVEL_JSON)
+    spec["model"] = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                     "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                     "vocab": {"a": 0}, "merges": []}
+    tok = ChatTokenizer(TokenizerFiles(json.dumps(spec), ""))
+    assert tok.encode_text("b " * 5000) == []
+    assert tok.dropped_bytes is None and tok.min_tokens("b " * 5000) == 0
+    assert ChatTokenizer(TokenizerFiles(WORD_LEVEL_JSON, "")).dropped_bytes == b""
 
 
 def test_no_bound_when_a_normalizer_may_shorten_the_text():
