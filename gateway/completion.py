@@ -7,7 +7,11 @@
 4. start the generation(s) on the workers the routing policy picks, retrying on another worker until
    the first token (gateway/generation.py, gateway/routing.py);
 5. answer: a JSON body, or an SSE stream (gateway/streaming.py), ``x-ratelimit-*`` headers on both;
-6. settle exactly once on success, error or client disconnect (`gateway.session.Session.settle`).
+6. settle exactly once on success, error or client disconnect (`gateway.session.Session.settle`):
+   an error is settled before it is answered; a successful answer is sent first and settled right
+   after its last byte (`SettledAfterSending`; a stream after its ``[DONE]``, gateway/streaming.py),
+   so the client does not wait for the Redis round trip of the release (docs/architecture.md,
+   "Settlement after the answer").
 
 Each request is one ``gateway.request`` trace (gateway/tracing.py) with spans for auth, tokenize,
 admission, routing, each worker call (whose context the worker continues) and streaming.
@@ -50,7 +54,7 @@ async def serve(gw: Gateway, request: Request, kind: str):
     try:
         principal = _authenticate(gw, request, span, endpoint)
         session, answer = await _run(gw, request, kind, principal, span, endpoint, t0)
-        return _respond(gw, session, answer, span, endpoint, t0)
+        return await _respond(gw, session, answer, span, endpoint, t0)
     except APIError:
         raise  # its status is on the request span already
     except BaseException as e:  # an unexpected error (or cancellation): the handlers answer 500
@@ -106,7 +110,8 @@ async def _run(gw: Gateway, request: Request, kind: str, principal: Principal, s
 
 async def admit_and_start(gw: Gateway, request: Request, kind: str, principal: Principal, t0: float):
     """Plan, admit and start. Returns (session, dict body | SSE event iterator); a non-streamed
-    request has run to the end and is settled. Raises APIError (nothing held: every error settles)."""
+    request has run to the end (settled once its answer is sent, `_respond`). Raises APIError
+    (nothing held: every error settles before it is raised)."""
     plan = await plan_request(gw, request, kind, principal.tenant)
     session = await admit(gw, principal, plan, t0)
     session.watch(request)
@@ -116,18 +121,38 @@ async def admit_and_start(gw: Gateway, request: Request, kind: str, principal: P
         return session, chat_stream(session, req) if kind == "chat" else text_stream(session, req)
     try:
         body = await collect(session, kind)
-    finally:
+    except BaseException:
         await session.settle()
+        raise
     return session, body
 
 
-def _respond(gw: Gateway, session: Session, answer, span: trace.Span, endpoint: str, t0: float):
-    """The HTTP response: JSON (already settled; the request span ends now) or SSE (the span ends
+class SettledAfterSending(JSONResponse):
+    """A non-streamed answer whose `session` settles once the response is over: after its last byte
+    was handed to the server, or when sending it failed or was cancelled (settlement always runs)."""
+
+    def __init__(self, content: dict[str, Any], session: Session) -> None:
+        self.session = session
+        super().__init__(content, headers=session.headers())
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.session.settle()
+
+
+async def _respond(gw: Gateway, session: Session, answer, span: trace.Span, endpoint: str, t0: float):
+    """The HTTP response: JSON (settled once sent; the request span ends now) or SSE (the span ends
     when the stream settles)."""
     tenant_id = session.tenant.id
     span.set_attribute("fairshare.request_id", session.rid)
-    if isinstance(answer, dict):  # non-streamed: already settled
-        response = JSONResponse(answer, headers=session.headers())  # (a body it cannot encode: a 500, counted so)
+    if isinstance(answer, dict):  # non-streamed: it settles once sent
+        try:
+            response = SettledAfterSending(answer, session)
+        except BaseException:  # a body it cannot encode: a 500 (counted so), settled first
+            await session.settle()
+            raise
         gw.metrics.requests.labels(tenant_id, endpoint, "200").inc()
         gw.metrics.latency.labels(tenant_id, endpoint).observe(time.perf_counter() - t0)
         end_request_span(span, 200)

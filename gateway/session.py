@@ -215,10 +215,15 @@ class Session:
         await self._watch.close()
 
     async def _do_settle(self) -> None:
+        try:
+            await self._settle_now()
+        finally:
+            self.gw.live.discard(self)  # open until here: `gw.live` empty means every release is made (or owed)
+
+    async def _settle_now(self) -> None:
         for j in self.jobs:
             if j.gen is not None:
                 j.gen.close()
-        self.gw.live.discard(self)
         self.gw.rates.observe_jobs(self.model, self.jobs)
         p, c, k = self.usage()
         used = p + c

@@ -3,10 +3,12 @@
 `chat_stream` / `text_stream` give the body of an admitted, started session: keep-alive comments
 until the first token (when the response began before it), then one write per worker message (all
 its tokens; the opening chunks go with the first), the usage chunk (``stream_options.include_usage``)
-with ``[DONE]``. Stop strings are held back by the worker, so text that may still turn out to start
+with ``[DONE]`` (and with the chunks of the message that finished the last choice: the stream ends
+with one write). Stop strings are held back by the worker, so text that may still turn out to start
 a stop string never reaches a chunk. A failure after the first token becomes an OpenAI error event.
-The body settles the session in every case, before ``[DONE]`` when it finished (a client that saw
-``[DONE]`` sees its lease released).
+The body settles the session in every case, after its last event (``[DONE]``, or the error event):
+the client does not wait for the release's Redis round trip (docs/architecture.md, "Settlement
+after the answer").
 """
 
 from __future__ import annotations
@@ -113,18 +115,19 @@ async def _stream(session: Session, opening: list[bytes], body, usage_event) -> 
                 if failed:
                     yield failed
                 return
-        async with aclosing(_content(session, body, b"".join(opening))) as content:
+        tail: list[bytes] = []
+        async with aclosing(_content(session, body, b"".join(opening), tail)) as content:
             async for b in content:
                 yield b
         if not session.finished:
             return
-        await session.settle()  # before [DONE]: a client that saw [DONE] sees its lease released
         u = usage_event()
-        yield DONE if u is None else u + DONE
+        # the last write: the final message's chunks, the usage chunk, [DONE]; the settlement follows it
+        yield b"".join(tail) + (DONE if u is None else u + DONE)
     finally:
-        await session.settle()
         session.gw.metrics.latency.labels(session.tenant.id, session.endpoint).observe(
             time.perf_counter() - session.t0)
+        await session.settle()
 
 
 def _start_failure(session: Session, start: asyncio.Future) -> bytes | None:
@@ -141,13 +144,16 @@ def _start_failure(session: Session, start: asyncio.Future) -> bytes | None:
     return None
 
 
-async def _content(session: Session, body, opening: bytes = b"") -> AsyncIterator[bytes]:
+async def _content(session: Session, body, opening: bytes, tail: list[bytes]) -> AsyncIterator[bytes]:
     """The content chunks of every worker message; an error event when the generation fails (nothing
     once the client is gone). Sets ``session.finished`` when every choice finished.
 
     opening: the opening chunks, sent in one write with the first message's chunks (that message was
     read before the response began, so the opening waits for nothing), or before the error event or
-    the end when there is none."""
+    the end when there is none. tail: where the chunks of the message that finishes the last choice
+    go instead of a write of their own (the caller sends them with the usage chunk and ``[DONE]``:
+    nothing is left to wait for); a message after it (not expected) sends them first."""
+    held = b""
     try:
         async with aclosing(merged(session)) as messages:
             async for job, msg in messages:
@@ -155,12 +161,19 @@ async def _content(session: Session, body, opening: bytes = b"") -> AsyncIterato
                 if opening:
                     chunks.insert(0, opening)
                     opening = b""
-                if chunks:
+                if held:
+                    chunks.insert(0, held)
+                    held = b""
+                if not chunks:
+                    continue
+                if all(j.finish_reason is not None for j in session.jobs):
+                    held = b"".join(chunks)  # the last message: it goes with [DONE]
+                else:
                     yield b"".join(chunks)
         check_finished(session)
     except APIError as e:
         if not session.client_gone:
-            yield opening + event(e.body())
+            yield opening + held + event(e.body())
         return
     except (grpc.aio.AioRpcError, asyncio.CancelledError) as e:
         if session.client_gone:
@@ -168,10 +181,10 @@ async def _content(session: Session, body, opening: bytes = b"") -> AsyncIterato
         if isinstance(e, asyncio.CancelledError) and session.stop_reason is None and not any(
                 j.gen is not None and j.gen.call.cancelled() for j in session.jobs):
             raise  # we are being cancelled ourselves
-        yield opening + event(stream_failure(session, e).body())
+        yield opening + held + event(stream_failure(session, e).body())
         return
-    if opening:
-        yield opening
+    if opening or held:
+        tail.append(opening + held)
     session.finished = True
 
 

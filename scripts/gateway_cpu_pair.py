@@ -1,4 +1,5 @@
-"""Compare the gateway's CPU per request between two checkouts, paired round by round.
+"""Compare the gateway's CPU per request (and, with wrk, its p50 latency) between two checkouts,
+paired round by round.
 
     .venv/bin/python scripts/gateway_cpu_pair.py BASE_DIR OTHER_DIR [--rounds 20] [--requests 600]
                                                  [--concurrency 32] [--modes non-stream,stream]
@@ -14,7 +15,8 @@ gateway's CPU time (``/proc``, all its threads) is read around its own round, an
 OTHER / BASE is taken round by round: both sides of a pair see the same load on the machine.
 
 Prints, per mode, each side's CPU ms per request (min, median, max over the rounds) and the paired
-ratio (min, median, max). Each round opens fresh client connections before it is counted (uvicorn
+ratio (min, median, max); with wrk also each side's p50 latency and the paired difference OTHER -
+BASE in ms (``--concurrency 1`` for the latency a lone client sees). Each round opens fresh client connections before it is counted (uvicorn
 closes keep-alive connections idle for 5 s, as they are while the other gateway's round runs).
 """
 
@@ -95,8 +97,10 @@ async def measure(ports: list[tuple[int, subprocess.Popen]], key: str, args, str
 
 async def _measure_wrk(ports, key: str, args, body: dict, marker: str) -> list[list[float]]:
     """`measure` with wrk as the client: each round is a wrk run of ``--wrk-seconds`` per gateway
-    (every answer checked for `marker`), its CPU time divided by the requests wrk counted."""
+    (every answer checked for `marker`), its CPU time divided by the requests wrk counted. Each
+    round's wrk p50 (ms) goes to ``args.p50`` (one list per gateway)."""
     cpu: list[list[float]] = [[] for _ in ports]
+    args.p50 = [[] for _ in ports]
     for port, _ in ports:  # warm-up
         await asyncio.to_thread(run_wrk, f"http://127.0.0.1:{port}/v1/chat/completions", body, key, marker,
                                 args.concurrency, 1)
@@ -108,6 +112,7 @@ async def _measure_wrk(ports, key: str, args, body: dict, marker: str) -> list[l
             res = await asyncio.to_thread(run_wrk, f"http://127.0.0.1:{port}/v1/chat/completions", body, key,
                                           marker, args.concurrency, args.wrk_seconds)
             cpu[i].append((process_cpu_s(proc.pid) - c0) * 1000 / max(1, res.requests))
+            args.p50[i].append(res.p50_s * 1000)
     return cpu
 
 
@@ -156,6 +161,13 @@ def main() -> int:
                 ratios = [o / b for b, o in zip(cpu[0], cpu[1])]
                 print(f"  other / base, paired by round: min {min(ratios):.3f}  median {statistics.median(ratios):.3f}"
                       f"  max {max(ratios):.3f}")
+                if args.client == "wrk":
+                    print(f"p50 latency ms at c={args.concurrency}")
+                    for tree, v in zip(trees, args.p50):
+                        print(f"  {str(tree):40} min {min(v):.3f}  median {statistics.median(v):.3f}  max {max(v):.3f}")
+                    diffs = [o - b for b, o in zip(*args.p50)]
+                    print(f"  other - base, paired by round: min {min(diffs):+.3f}  median "
+                          f"{statistics.median(diffs):+.3f}  max {max(diffs):+.3f}")
         finally:
             stop_processes(procs, echo, wait_s=15.0)
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

@@ -16,6 +16,7 @@ import pytest
 
 from fairshare.local_redis import start_redis
 from fairshare.ports import free_port, wait_for_port
+from tests.support.settlement import wait_answered_settled
 from tests.support.skip_rule import skip_allowed_in_ci
 from tests.support.skips import in_ci
 
@@ -191,20 +192,32 @@ class GatewayHandle:
         s, us = self.redis.time()
         return s * 1000 + us / 1000
 
-    def leases(self, tenant_id: str) -> dict[str, int]:
-        """Unexpired in-flight leases of a tenant: lease id -> tokens."""
+    def settled(self) -> None:
+        """Wait until every answered request has settled (tests/support/settlement.py): the Redis
+        reads below call it first, so they see the releases of every response the test has read."""
+        wait_answered_settled(self.app.state.gw)
+
+    def leases(self, tenant_id: str, settled: bool = True) -> dict[str, int]:
+        """Unexpired in-flight leases of a tenant, once answered requests have settled (settled=False:
+        as Redis holds them now): lease id -> tokens."""
+        if settled:
+            self.settled()
         _, _, z, h = self._keys_of(tenant_id)
         live = self.redis.zrangebyscore(z, f"({self.redis_time_ms()}", "+inf")
         vals = self.redis.hmget(h, live) if live else []
         return {m.decode(): int(float(v)) for m, v in zip(live, vals) if v is not None}
 
     def lease_expiry_ms(self, tenant_id: str) -> dict[str, float]:
-        """Every stored lease of a tenant, expired or not: lease id -> expiry (Redis time, ms)."""
+        """Every stored lease of a tenant, expired or not (answered requests settled first): lease id
+        -> expiry (Redis time, ms)."""
+        self.settled()
         _, _, z, _ = self._keys_of(tenant_id)
         return {m.decode(): score for m, score in self.redis.zrange(z, 0, -1, withscores=True)}
 
     def bucket(self, tenant_id: str, which: str = "tpm") -> tuple[float, float] | None:
-        """Stored (tokens, timestamp ms) of a tenant's ``rpm``/``tpm`` bucket; None when absent (full)."""
+        """Stored (tokens, timestamp ms) of a tenant's ``rpm``/``tpm`` bucket, once answered requests
+        have settled (their refunds made); None when absent (full)."""
+        self.settled()
         key = self._keys_of(tenant_id)[0 if which == "rpm" else 1]
         t, ts = self.redis.hmget(key, ["t", "ts"])
         return None if t is None else (float(t), float(ts))

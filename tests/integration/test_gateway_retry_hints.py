@@ -139,7 +139,7 @@ SHORT = [{"role": "user", "content": "Count slowly."}]
 
 
 def _session(gw, tenant_id: str):
-    live = [s for s in list(gw.app.state.gw.live) if s.tenant.id == tenant_id]
+    live = [s for s in list(gw.app.state.gw.live) if s.tenant.id == tenant_id and not s.finished]  # running
     return live[0] if live else None
 
 

@@ -35,6 +35,7 @@ from fairshare.v1 import worker_pb2 as pb
 from fairshare.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import GATEWAY_TEST_METRICS_TOKEN, ROOT, readyz_detail, worker_command
 from tests.support.control_client import WorkerControl
+from tests.support.settlement import wait_answered_settled
 from tests.support.waits import DEFAULT_TIMEOUT_S, wait_for
 
 SECRET = "reliability-test-secret"
@@ -227,8 +228,14 @@ class InProcessGateway(_TenantClients):
         return redis_sync.Redis.from_url(self.redis_url, socket_timeout=5)
 
     def held_lease_ids(self) -> set[str]:
-        """Lease ids this gateway holds for running requests (Redis-held and local)."""
+        """Lease ids this gateway holds for running requests (Redis-held and local), once its answered
+        requests have settled."""
+        self.settled()
         return set(dict(self.gw.control.live))
+
+    def settled(self) -> None:
+        """Wait until every answered request has settled (tests/support/settlement.py)."""
+        wait_answered_settled(self.gw)
 
     def stop(self) -> None:
         self.server.stop()

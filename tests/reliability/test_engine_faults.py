@@ -124,6 +124,7 @@ def test_fault_on_third_step_fails_exactly_its_batch(small_worker, redis_url, tm
 
         # nothing left: no KV block, no lease; the service the four consumed stays charged
         wait_until(lambda: idle(addr), "the worker idle with every KV block free")
+        gw.settled()
         for t in ("fa", "fb", "fc"):
             assert live_leases(gw.redis_client(), gw.prefix, t) == set(), t
         assert gw.held_lease_ids() == set()

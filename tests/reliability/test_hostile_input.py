@@ -99,6 +99,7 @@ def test_schemathesis_no_5xx_and_openai_errors(gw, path, method, mode):
     run()
     print(f"\nschemathesis {method} {path} {mode.value}: {seen['n']} requests, statuses {seen['statuses']}, "
           f"error codes {seen.get('codes')}")
+    gw.settled()
     assert lease_state(_redis(gw), gw.prefix, "hx") == (set(), set())
 
 
@@ -272,6 +273,7 @@ def test_edge_values_that_are_valid_are_served(gw):
                   "service_tier": "auto", "parallel_tool_calls": True, "prompt_cache_key": "k",
                   "stream_options": None})
     assert r.status_code == 200, r.text
+    gw.settled()
     assert lease_state(_redis(gw), gw.prefix, "hx") == (set(), set())
 
 

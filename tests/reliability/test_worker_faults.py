@@ -43,7 +43,8 @@ def finished(addr: str, tenant: str) -> int:
 
 def session_ids(gw: InProcessGateway) -> dict[str, str]:
     """rid -> worker address of every running request."""
-    return {s.rid: s.jobs[0].gen.worker.addr for s in list(gw.gw.live) if s.jobs[0].gen is not None}
+    return {s.rid: s.jobs[0].gen.worker.addr for s in list(gw.gw.live) if s.jobs[0].gen is not None
+            and not s.finished}
 
 
 def arrived(workers, tenant: str) -> dict[str, str]:
@@ -177,7 +178,7 @@ def test_worker_sigterm_drains(workers, redis_url, tmp_path):
             threads.append(open_in_thread(http, gw, "wd", body, opened[name]))
             wait_until(lambda n=n: len(arrived(workers, "wd")) == n + 1, f"{n + 1} requests at the workers")
         where = arrived(workers, "wd")
-        by_tokens = sorted(gw.gw.live, key=lambda s: s.jobs[0].max_tokens)  # short first
+        by_tokens = sorted((s for s in list(gw.gw.live) if not s.finished), key=lambda s: s.jobs[0].max_tokens)  # short first
         short_addr = where[by_tokens[0].rid]
         b = workers.addrs.index(short_addr)
         a_addr, b_addr = workers.addrs[1 - b], short_addr
