@@ -39,7 +39,7 @@ SGLANG_LIGHT_DEPS=(
 # What FairShare's own modules (worker.scheduling, worker.sglang_plugin, worker.sglang_server,
 # the generated gRPC stubs) and the tests import.
 FAIRSHARE_DEPS=(
-  "pydantic-settings>=2.2" "pyyaml>=6" "grpcio>=1.85,<2" "grpcio-health-checking>=1.85,<2"
+  "pydantic-settings>=2.2" "pyyaml>=6" "grpcio>=1.85.1,<2" "grpcio-health-checking>=1.85,<2"
   "protobuf>=6.31,<8" "tokenizers>=0.21" "jinja2>=3.1" "prometheus-client>=0.20" "safetensors>=0.4"
   "opentelemetry-api>=1.30,<2" "opentelemetry-sdk>=1.30,<2"
   "xgrammar==0.2.7"  # what sglang 0.5.23 pins; worker.engine.grammar: the reference engine's grammar refusals

@@ -241,7 +241,7 @@ WEIGHTS = {"acme": 1.0, "globex": 3.0}
 
 async def _tenant_loop(platform, tenant: str, stop: asyncio.Event, stats: dict) -> None:
     c = openai.AsyncOpenAI(base_url=platform.base_url, api_key=platform.keys[tenant], max_retries=0,
-                           timeout=httpx.Timeout(300.0))
+                           timeout=300.0)  # a number: the SDK may run on httpx2
 
     async def one_stream(i: int) -> None:
         n = 0
