@@ -98,7 +98,11 @@ def test_worker_killed_mid_stream(workers, redis_url, tmp_path):
         streams = sorted(opened, key=lambda r: r.headers["x-request-id"])
         assert [s.status_code for s in streams] == [200, 200]
         stream_rids = [s.headers["x-request-id"] for s in streams]
-        assert session_ids(gw) == where == arrived(workers, "wk")  # all four mid-generation, held
+        # the workers hold all four after their first token; the gateway learns of each first token
+        # (its session's generation starts then) a moment later: wait for that state, not a race with it
+        wait_until(lambda: session_ids(gw) == where,
+                   lambda: f"the gateway holding all four at their first token: {session_ids(gw)} vs {where}")
+        assert where == arrived(workers, "wk")  # all four mid-generation, held
 
         def score(addr: str) -> tuple[int, int]:  # (hosts a stream, hosts a plain request)
             return (any(where[r] == addr for r in stream_rids),
