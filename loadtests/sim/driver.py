@@ -92,7 +92,7 @@ def run_workload(workload: Workload, policy: str, time_model: IterationTimeModel
             r = requests[i]
             engine.add_request(r.request_id, r.tenant_id, synthetic_prompt(i, r.prompt_tokens),
                                SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True), ignore,
-                               weight=r.weight, tier=r.tier, arrival_time=r.arrival_s)
+                               weight=r.weight, tier=r.tier, arrival_time=r.arrival_s, final_only=True)
             if r.cancel_at_s is not None:
                 heapq.heappush(cancels, (r.cancel_at_s, r.request_id))
             i += 1

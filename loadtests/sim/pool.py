@@ -191,7 +191,7 @@ def run_pool(workload, policy: str, time_model: IterationTimeModel, *, workers: 
         w.engine.add_request(spec.request_id, spec.tenant_id, prompt,
                              SamplingParams(max_tokens=spec.output_tokens, temperature=0.0, ignore_eos=True),
                              finisher(w, cost, len(prompt), spec, prompt), weight=spec.weight, arrival_time=at,
-                             may_hand_back=may_hand_back)
+                             may_hand_back=may_hand_back, final_only=True)
         w.busy = True
 
     while True:

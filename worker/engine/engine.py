@@ -270,7 +270,7 @@ class Engine:
     def add_request(self, request_id: str, tenant_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                     on_output: OutputCallback, weight: float = 1.0, tier: str = "interactive",
                     cache_namespace: str = "", arrival_time: float | None = None, cache_salt: str = "",
-                    may_hand_back: bool = False) -> None:
+                    may_hand_back: bool = False, final_only: bool = False) -> None:
         """Queue a request. arrival_time: when it arrived, on the engine's clock (default: now).
         cache_salt: the client's salt, splitting the tenant's prefix-cache namespace. The namespace
         is derived here from the tenant id and the salt under the engine's secret
@@ -279,6 +279,8 @@ class Engine:
         may_hand_back: while never admitted it may be handed back (`EngineConfig.hand_back_after_s`):
         its output then ends, before any token, with `FinishReason.HANDED_BACK` and its caller
         routes it elsewhere (the gateway sets it only when another worker exists).
+        final_only: `on_output` gets one call, the final output (all tokens and text at once), not one
+        per iteration (for callers that only count finished requests: the simulator).
         Raises ValueError when it can never run (empty or too long prompt, bad sampling values,
         token ids outside the vocabulary, duplicate id), EngineFailed once the engine has failed."""
         if self.faults.tripped:
@@ -303,7 +305,7 @@ class Engine:
         seq = Sequence(request_id=request_id, tenant_id=tenant_id, prompt_token_ids=list(prompt_token_ids),
                        sampling=sampling, weight=weight, tier=tier, cache_namespace=cache_namespace,
                        max_tokens=max_tokens, arrival_time=self.clock() if arrival_time is None else arrival_time,
-                       may_hand_back=bool(may_hand_back))
+                       may_hand_back=bool(may_hand_back), final_only=bool(final_only))
         with self._lock:
             if request_id in self._callbacks:
                 raise ValueError(f"duplicate request id {request_id!r}")
@@ -629,6 +631,8 @@ class Engine:
             return min((u for u, _, _ in self._first_tokens_held.values()), default=None)
 
     def _emit(self, seq: Sequence, final: bool, error: str | None = None, release: bool = False) -> None:
+        if seq.final_only and not final and error is None:
+            return  # its caller takes the final output only: nothing to build per iteration
         held = self._first_tokens_held
         if not release and (seq.request_id in held or self._hold_first_token(seq, final, error)):
             if seq.request_id in held and (error is not None or (final and seq.finish_reason is FinishReason.ABORT)):

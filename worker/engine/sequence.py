@@ -110,6 +110,7 @@ class Sequence:
     constraint: object | None = None      # grammar state (worker/engine/grammar.Constraint) when constrained
     output_logprobs: list = field(default_factory=list)  # (token, logprob, top) per output token, when asked
     may_hand_back: bool = False           # the gateway lets this worker hand it back before admission
+    final_only: bool = False              # its caller takes only the final output (Engine.add_request)
 
     @property
     def all_token_ids(self) -> list[int]:
