@@ -23,12 +23,15 @@ install: $(STAMP)
 up: $(STAMP)
 	$(BIN)/fairshare up $(UP_ARGS)
 
-# Main suite in .venv; the SGLang plugin's tests run against real SGLang 0.5.23 classes in a
-# separate CPU-only env (building it fails loudly, so those tests never skip silently).
+# Main suite in .venv, its test files spread over TEST_JOBS pytest-xdist processes (default: the
+# cores, at most 4; TEST_JOBS=0 runs it in this process); each file runs whole in one process, so
+# its module fixtures are built once. The SGLang plugin's tests run against real SGLang 0.5.23
+# classes in a separate CPU-only env (building it fails loudly, so those tests never skip silently).
 # Both suites always run and both verdicts are printed; the exit status fails if either failed.
+TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 test: $(STAMP)
 	@main=0; sglang=0; \
-	$(BIN)/python -m pytest -q -ra --ignore=tests/sglang $(PYTEST_ARGS) || main=$$?; \
+	$(BIN)/python -m pytest -q -ra --ignore=tests/sglang -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS) || main=$$?; \
 	$(MAKE) --no-print-directory test-sglang || sglang=$$?; \
 	echo "make test: main suite exit $$main, SGLang suite exit $$sglang"; \
 	test $$main -eq 0 && test $$sglang -eq 0
