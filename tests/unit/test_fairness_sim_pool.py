@@ -112,21 +112,18 @@ def test_fair_keeps_pool_wide_shares_under_a_skewed_overload(seed):
 
 def test_sim_skew_prints_one_row_per_seed(capsys, monkeypatch):
     """`fairshare sim skew --seeds 0` prints the seed's row with the figures `run_skew` gives and the
-    count of seeds the goal is met at. The command's rows are `run_skew`'s own, memoised for the
-    session (`skew_rows`: the tests above already ran seed 0 at this rate scale), so this test checks
-    the printing, not a second copy of a 100 s simulation."""
-    scale = resolve_rate_scale("auto", TM)[0]
-    real = pool_report.run_skew
+    count of seeds the goal is met at. The command gets `run_skew`'s own rows for seed 0, memoised
+    for the session (`skew_rows`: the seed tests compute them), so this test checks the printing,
+    not a second copy of the same simulation."""
+    scale, rows = resolve_rate_scale("auto", TM)[0], skew_rows(0)
 
-    def memoised(time_model, rate_scale, *, seed=0, **kw):
-        if rate_scale == scale and not kw:
-            return skew_rows(seed)
-        return real(time_model, rate_scale, seed=seed, **kw)
+    def memoised(time_model, rate_scale, *, seed):
+        assert (rate_scale, seed) == (scale, 0)  # the rows held are for the command's own rate scale
+        return rows
 
     monkeypatch.setattr(pool_report, "run_skew", memoised)
     assert main(["skew", "--seeds", "0"]) == 0
     out = capsys.readouterr().out
-    rows = skew_rows(0)
     fair, single = rows["fair"], rows[pool_report.SKEW_SINGLE]
     row = next(line for line in out.splitlines() if line.strip().startswith("0 "))
     assert f"{fair.diff:,.0f} / {fair.jain:.3f}" in row and f"{single.diff:,.0f} / {single.jain:.3f}" in row
