@@ -26,13 +26,20 @@ up: $(STAMP)
 # Main suite in .venv, its test files spread over TEST_JOBS pytest-xdist processes (default: the
 # cores, at most 4; TEST_JOBS=0 runs it in this process); each file runs whole in one process, so
 # its module fixtures are built once. The SGLang plugin's tests run against real SGLang 0.5.23
-# classes in a separate CPU-only env (building it fails loudly, so those tests never skip silently).
-# Both suites always run and both verdicts are printed; the exit status fails if either failed.
+# classes in a separate CPU-only env (building it fails loudly, so those tests never skip silently),
+# built in the background while the main suite runs (its output in SGLANG_ENV_LOG, printed after
+# the main suite). Both suites always run and both verdicts are printed; the exit status fails if
+# either failed.
 TEST_JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+SGLANG_ENV_LOG ?= build/sglang-env.log
 test: $(STAMP)
-	@main=0; sglang=0; \
+	@main=0; sglang=0; mkdir -p $(dir $(SGLANG_ENV_LOG)); \
+	echo "make test: building $(SGLANG_VENV) alongside the main suite (log: $(SGLANG_ENV_LOG))"; \
+	$(MAKE) --no-print-directory sglang-env > $(SGLANG_ENV_LOG) 2>&1 & env_pid=$$!; \
 	$(BIN)/python -m pytest -q -ra --ignore=tests/sglang -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS) || main=$$?; \
-	$(MAKE) --no-print-directory test-sglang || sglang=$$?; \
+	env=0; wait $$env_pid || env=$$?; \
+	echo "make test: $(SGLANG_VENV) build (exit $$env):"; sed 's/^/    /' $(SGLANG_ENV_LOG); \
+	if [ $$env -eq 0 ]; then $(MAKE) --no-print-directory test-sglang || sglang=$$?; else sglang=$$env; fi; \
 	echo "make test: main suite exit $$main, SGLang suite exit $$sglang"; \
 	test $$main -eq 0 && test $$sglang -eq 0
 
