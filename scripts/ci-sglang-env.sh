@@ -46,13 +46,17 @@ FAIRSHARE_DEPS=(
   "pytest>=8" "pytest-timeout>=2.3" "pytest-asyncio>=0.23"
 )
 
+# The editable install of this tree writes fairshare.egg-info here, as .venv's does (`make test`
+# runs this script while `make install` may run): one at a time.
+editable() { mkdir -p build && flock build/.editable-install.lock "$@"; }
+
 stamp="$VENV/.fairshare-sglang-stamp"
 project_stamp="$VENV/.fairshare-project-stamp"
 want=$(sha256sum "$0" | cut -c1-16)
 project=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   if [ "$(cat "$project_stamp" 2>/dev/null)" != "$project" ]; then
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
+    editable "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e .
     echo "$project" > "$project_stamp"
   fi
   echo "ci-sglang-env: $VENV is up to date"
@@ -77,7 +81,7 @@ say "sglang $SGLANG_VERSION installed (no deps)"
             -e "Location 'file:" || true
 "$VENV/bin/python" -c "import sglang, triton, transformers" # the install above must have worked
 say "light dependencies installed"
-"${pip[@]}" --no-deps -e .
+editable "${pip[@]}" --no-deps -e .
 say "fairshare installed (editable, no deps)"
 
 # torchvision must stay out: a CUDA wheel of it makes `import transformers` fail on CPU torch.
