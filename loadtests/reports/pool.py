@@ -160,28 +160,42 @@ SKEW_QUARTER = "one worker VTC (1/N of the traffic)"
 SKEW_SHAPED = "one worker VTC, the pool's shape (Nx slots)"
 
 
+SKEW_LABELS = tuple(label for label, *_ in SKEW_RUNS) + (SKEW_SINGLE, SKEW_QUARTER, SKEW_SHAPED)
+CHECKED = ("per-worker VTC", "fair", "FCFS", SKEW_SINGLE)  # the rows `skew_checks` and the side-by-side line read
+
+
 def run_skew(time_model: IterationTimeModel, rate_scale: float, *, seed: int = 0, workload=SKEWED_OVERLOAD,
-             workers: int = 4, progress=None) -> dict[str, SkewRow]:
+             workers: int = 4, progress=None, labels=SKEW_LABELS) -> dict[str, SkewRow]:
     """The skew experiment (module docstring). `rate_scale`: the fairness benchmark's (capacity /
-    the reference 2 req/s). Returns rows by label."""
+    the reference 2 req/s). labels: the runs to make (default all six, `SKEW_LABELS`; `CHECKED`:
+    the four the checks read). Returns rows by label, in `SKEW_LABELS` order. Raises ValueError for
+    an unknown label."""
+    unknown = set(labels) - set(SKEW_LABELS)
+    if unknown:
+        raise ValueError(f"unknown skew runs {sorted(unknown)}; known: {SKEW_LABELS}")
     rows = {}
     for label, policy, routing, pool in SKEW_RUNS:
+        if label not in labels:
+            continue
         res = run_pool(workload, policy, time_model, workers=workers, routing=routing, seed=seed,
                        rate_scale=rate_scale, drain_s=0.0, pool_counters=pool)
         rows[label] = _skew_row(label, res)
         if progress:
             progress(f"pool skew {label:<16} max weighted difference {rows[label].diff:10.0f} units")
-    eq = single_worker_equivalent(workers, time_model, "vtc", workload)
-    res = run_pool(workload, "vtc", eq["time_model"], workers=1, routing="least-loaded", seed=seed,
-                   rate_scale=rate_scale, drain_s=0.0, num_kv_blocks=eq["num_kv_blocks"])
-    rows[SKEW_SINGLE] = _skew_row(SKEW_SINGLE, res)
-    res = run_pool(workload, "vtc", time_model, workers=1, routing="least-loaded", seed=seed,
-                   rate_scale=rate_scale / workers, drain_s=0.0)
-    rows[SKEW_QUARTER] = _skew_row(SKEW_QUARTER, res)
-    shaped = pool_shaped_worker(workers, time_model, "vtc", workload)
-    res = run_pool(workload, "vtc", shaped.pop("time_model"), workers=1, routing="least-loaded", seed=seed,
-                   rate_scale=rate_scale, drain_s=0.0, **shaped)
-    rows[SKEW_SHAPED] = _skew_row(SKEW_SHAPED, res)
+    if SKEW_SINGLE in labels:
+        eq = single_worker_equivalent(workers, time_model, "vtc", workload)
+        res = run_pool(workload, "vtc", eq["time_model"], workers=1, routing="least-loaded", seed=seed,
+                       rate_scale=rate_scale, drain_s=0.0, num_kv_blocks=eq["num_kv_blocks"])
+        rows[SKEW_SINGLE] = _skew_row(SKEW_SINGLE, res)
+    if SKEW_QUARTER in labels:
+        res = run_pool(workload, "vtc", time_model, workers=1, routing="least-loaded", seed=seed,
+                       rate_scale=rate_scale / workers, drain_s=0.0)
+        rows[SKEW_QUARTER] = _skew_row(SKEW_QUARTER, res)
+    if SKEW_SHAPED in labels:
+        shaped = pool_shaped_worker(workers, time_model, "vtc", workload)
+        res = run_pool(workload, "vtc", shaped.pop("time_model"), workers=1, routing="least-loaded", seed=seed,
+                       rate_scale=rate_scale, drain_s=0.0, **shaped)
+        rows[SKEW_SHAPED] = _skew_row(SKEW_SHAPED, res)
     return rows
 
 
@@ -196,7 +210,7 @@ def run_pool_benchmark(time_model: IterationTimeModel, rate_scale: float, *, see
     return pb
 
 
-SIDE_BY_SIDE = ("per-worker VTC", "fair", "FCFS", SKEW_SINGLE)
+SIDE_BY_SIDE = CHECKED
 
 
 def side_by_side(pb: PoolBench) -> str:

@@ -79,8 +79,19 @@ WITHIN_2X_SEEDS = SKEW_SEEDS
 
 @functools.lru_cache(maxsize=None)
 def skew_rows(seed: int) -> dict:
-    """`run_skew`'s rows at `seed` (computed once per test session: five simulated runs)."""
-    return pool_report.run_skew(TM, resolve_rate_scale("auto", TM)[0], seed=seed, workload=SKEWED_OVERLOAD)
+    """`run_skew`'s rows at `seed`, computed once per test session: the four runs the checks read
+    (`pool_report.CHECKED`), and at seed 0, which the CLI test prints, all six (the pool-shaped and
+    quarter-traffic references too)."""
+    labels = pool_report.SKEW_LABELS if seed == 0 else pool_report.CHECKED
+    rows = pool_report.run_skew(TM, resolve_rate_scale("auto", TM)[0], seed=seed, workload=SKEWED_OVERLOAD,
+                                labels=labels)
+    assert tuple(rows) == labels
+    return rows
+
+
+def test_run_skew_refuses_an_unknown_run():
+    with pytest.raises(ValueError, match="unknown skew runs"):
+        pool_report.run_skew(TM, 1.0, labels=("fair", "fastest"))
 
 
 @pytest.mark.parametrize("seed", SKEW_SEEDS)
