@@ -11,6 +11,7 @@ time model, same events.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
 
@@ -115,12 +116,30 @@ def estimate_capacity_rps(time_model: IterationTimeModel, prompt_tokens: int = 2
                           seconds: float = 300.0, **engine_overrides) -> float:
     """Requests/s of `prompt_tokens`/`output_tokens` requests the simulated server serves when
     saturated: service units charged per second over the second half of `seconds` (one tenant
-    with a standing queue), divided by the cost of one request."""
+    with a standing queue), divided by the cost of one request.
+
+    The simulator is deterministic, so the figure is memoised per process for each set of
+    arguments (a probe run is ~3 s of CPU; reports and tests ask for the same one many times);
+    arguments that cannot be hashed are simulated every time."""
+    overrides = tuple(sorted(engine_overrides.items()))
+    try:
+        hash(overrides)
+    except TypeError:
+        return _capacity_rps(time_model, prompt_tokens, output_tokens, seconds, overrides)
+    return _capacity_rps_memo(time_model, prompt_tokens, output_tokens, seconds, overrides)
+
+
+def _capacity_rps(time_model: IterationTimeModel, prompt_tokens: int, output_tokens: int, seconds: float,
+                  overrides: tuple) -> float:
     from fairshare.workloads import TenantLoad
 
+    engine_overrides = dict(overrides)
     probe = Workload("capacity-probe", "one tenant sending far above capacity",
                      (TenantLoad("probe", 20.0, prompt_tokens, output_tokens, arrival="uniform"),), duration_s=seconds)
     res = run_workload(probe, "fcfs", time_model, drain_s=0.0, keep_token_times=False, **engine_overrides)
     half = seconds / 2
     units = sum(sum(st.service.values()) for st in res.log.steps if half < st.end <= seconds)
     return units / (seconds - half) / res.engine.cost.request(prompt_tokens, output_tokens)
+
+
+_capacity_rps_memo = functools.lru_cache(maxsize=64)(_capacity_rps)

@@ -41,6 +41,25 @@ def test_time_model_runner_and_clock(tmp_path):
         clock.advance(-1)
 
 
+def test_capacity_estimate_is_simulated_once_per_arguments(monkeypatch):
+    """`estimate_capacity_rps` memoises its figure per arguments (the simulator is deterministic):
+    the same arguments simulate once and give the same figure, other overrides simulate again."""
+    from loadtests.sim import driver
+
+    runs = []
+
+    def counted(*args, **kwargs):
+        runs.append(kwargs)
+        return run_workload(*args, **kwargs)
+
+    monkeypatch.setattr(driver, "run_workload", counted)
+    tm = IterationTimeModel(0.012, 2e-5, 3e-4, 1e-7, "capacity memo test")  # a model no other test uses
+    first = driver.estimate_capacity_rps(tm, seconds=20.0)
+    assert first > 0 and driver.estimate_capacity_rps(tm, seconds=20.0) == first and len(runs) == 1
+    assert driver.estimate_capacity_rps(tm, seconds=20.0, max_running=2) < first and len(runs) == 2
+    assert driver.estimate_capacity_rps(tm, seconds=20.0, max_running=2) and len(runs) == 2
+
+
 def test_simulation_is_deterministic_per_seed():
     w = short("overload", 30.0)
     runs = [run_workload(w, "vtc", TIME, seed=s, rate_scale=0.5) for s in (3, 3, 4)]
