@@ -161,10 +161,23 @@ def _pre_tokenizer_fix(pre: str | None, backend) -> bool:
 
 
 def gguf_pre_tokenizer(gguf_path: Path, reader=None) -> str | None:
-    """The file's `tokenizer.ggml.pre` (llama.cpp's pre-tokenizer name), or None."""
-    from gguf import GGUFReader
+    """The file's `tokenizer.ggml.pre` (llama.cpp's pre-tokenizer name), or None. reader: a
+    `gguf.GGUFReader` already open on the file. Without one, transformers' metadata-only reader
+    (`transformers.integrations.gguf.read_gguf_metadata`: 0.04 s for SmolLM2's file, against 6.3 s
+    for a `GGUFReader`, which parses the 49,152-token vocabulary element by element) where this
+    transformers has it, else a `GGUFReader`."""
+    if reader is None:
+        try:
+            from transformers.integrations.gguf import read_gguf_metadata
+        except ImportError:  # an older transformers
+            read_gguf_metadata = None
+        if read_gguf_metadata is not None:
+            pre = read_gguf_metadata(str(gguf_path))[0].get("tokenizer.ggml.pre")
+            return None if pre is None else str(pre)
+        from gguf import GGUFReader
 
-    field = (reader or GGUFReader(gguf_path)).fields.get("tokenizer.ggml.pre")
+        reader = GGUFReader(gguf_path)
+    field = reader.fields.get("tokenizer.ggml.pre")
     return None if field is None else str(field.contents())
 
 

@@ -276,3 +276,16 @@ def test_cached_tokenizer_matches_transformers_gguf_tokenizer(transformers_gguf_
     assert model.tokenizer.encode("<|im_start|>user", add_special_tokens=False).ids[0] == 1  # specials whole
     for s, ids in zip(corpus, ours):
         assert model.tokenizer.decode(ids, skip_special_tokens=False) == s
+
+
+def test_pre_tokenizer_name_read_from_the_metadata_alone_matches_the_full_reader():
+    """`gguf_pre_tokenizer` without a reader (transformers' metadata-only reader) gives what a
+    `gguf.GGUFReader` over the whole file gives: SmolLM2's "smollm", the name that picks
+    llama.cpp's digits-first rule (`_DIGITS_FIRST`), which the token-for-token test relies on."""
+    from gguf import GGUFReader
+
+    from worker.gguf_cache import _DIGITS_FIRST, gguf_pre_tokenizer
+
+    path = models.smollm2_gguf_path()
+    fast = gguf_pre_tokenizer(path)
+    assert fast == gguf_pre_tokenizer(path, GGUFReader(path)) == "smollm" and fast in _DIGITS_FIRST
