@@ -161,7 +161,7 @@ SKEW_SHAPED = "one worker VTC, the pool's shape (Nx slots)"
 
 
 SKEW_LABELS = tuple(label for label, *_ in SKEW_RUNS) + (SKEW_SINGLE, SKEW_QUARTER, SKEW_SHAPED)
-CHECKED = ("per-worker VTC", "fair", "FCFS", SKEW_SINGLE)  # the rows `skew_checks` and the side-by-side line read
+CHECKED = ("per-worker VTC", "fair", "FCFS", SKEW_SINGLE)  # the rows `skew_checks` and `side_by_side` read
 
 
 def run_skew(time_model: IterationTimeModel, rate_scale: float, *, seed: int = 0, workload=SKEWED_OVERLOAD,
@@ -182,20 +182,20 @@ def run_skew(time_model: IterationTimeModel, rate_scale: float, *, seed: int = 0
         rows[label] = _skew_row(label, res)
         if progress:
             progress(f"pool skew {label:<16} max weighted difference {rows[label].diff:10.0f} units")
+    def one_worker(label: str, tm: IterationTimeModel, scale: float, **engine) -> None:
+        """A single-worker reference run: VTC on one worker of model `tm` at `scale`."""
+        res = run_pool(workload, "vtc", tm, workers=1, routing="least-loaded", seed=seed, rate_scale=scale,
+                       drain_s=0.0, **engine)
+        rows[label] = _skew_row(label, res)
+
     if SKEW_SINGLE in labels:
         eq = single_worker_equivalent(workers, time_model, "vtc", workload)
-        res = run_pool(workload, "vtc", eq["time_model"], workers=1, routing="least-loaded", seed=seed,
-                       rate_scale=rate_scale, drain_s=0.0, num_kv_blocks=eq["num_kv_blocks"])
-        rows[SKEW_SINGLE] = _skew_row(SKEW_SINGLE, res)
+        one_worker(SKEW_SINGLE, eq["time_model"], rate_scale, num_kv_blocks=eq["num_kv_blocks"])
     if SKEW_QUARTER in labels:
-        res = run_pool(workload, "vtc", time_model, workers=1, routing="least-loaded", seed=seed,
-                       rate_scale=rate_scale / workers, drain_s=0.0)
-        rows[SKEW_QUARTER] = _skew_row(SKEW_QUARTER, res)
+        one_worker(SKEW_QUARTER, time_model, rate_scale / workers)
     if SKEW_SHAPED in labels:
         shaped = pool_shaped_worker(workers, time_model, "vtc", workload)
-        res = run_pool(workload, "vtc", shaped.pop("time_model"), workers=1, routing="least-loaded", seed=seed,
-                       rate_scale=rate_scale, drain_s=0.0, **shaped)
-        rows[SKEW_SHAPED] = _skew_row(SKEW_SHAPED, res)
+        one_worker(SKEW_SHAPED, shaped.pop("time_model"), rate_scale, **shaped)
     return rows
 
 
@@ -210,15 +210,12 @@ def run_pool_benchmark(time_model: IterationTimeModel, rate_scale: float, *, see
     return pb
 
 
-SIDE_BY_SIDE = CHECKED
-
-
 def side_by_side(pb: PoolBench) -> str:
     """One line: the pool-wide max weighted service difference and Jain's index of per-worker VTC,
     ``fair``, FCFS and single-worker VTC at the pool's capacity, side by side."""
     names = {SKEW_SINGLE: "single-worker VTC"}
     return (f"pool skew, {pb.skew_workers} workers: max weighted diff / Jain: "
-            + " | ".join(f"{names.get(k, k)} {pb.skew[k].diff:,.0f} / {pb.skew[k].jain:.3f}" for k in SIDE_BY_SIDE))
+            + " | ".join(f"{names.get(k, k)} {pb.skew[k].diff:,.0f} / {pb.skew[k].jain:.3f}" for k in CHECKED))
 
 
 def checks(pb: PoolBench) -> list[str]:
