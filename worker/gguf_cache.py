@@ -170,13 +170,12 @@ def gguf_pre_tokenizer(gguf_path: Path, reader=None) -> str | None:
         try:
             from transformers.integrations.gguf import read_gguf_metadata
         except ImportError:  # an older transformers
-            read_gguf_metadata = None
-        if read_gguf_metadata is not None:
+            from gguf import GGUFReader
+
+            reader = GGUFReader(gguf_path)
+        else:
             pre = read_gguf_metadata(str(gguf_path))[0].get("tokenizer.ggml.pre")
             return None if pre is None else str(pre)
-        from gguf import GGUFReader
-
-        reader = GGUFReader(gguf_path)
     field = reader.fields.get("tokenizer.ggml.pre")
     return None if field is None else str(field.contents())
 

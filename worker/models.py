@@ -523,7 +523,7 @@ def ensure_smollm2_cache(cache_dir: Path, progress: bool = True) -> Path:
 
 def _ensure_smollm2_tokenizer(cache_dir: Path, progress: bool = True) -> Path:
     """Return `<cache_dir>/tokenizers/SmolLM2-135M-Instruct`, extracting the tokenizer if needed
-    (about 20 s on this project's 2-core machine, most of it transformers parsing the GGUF's
+    (about 23 s on this project's 2-core machine, most of it transformers parsing the GGUF's
     metadata twice: once for the config, once for the tokenizer)."""
     target = cache_dir / "tokenizers" / SMOLLM2_NAME
     if _cache_valid(target, full=False):
