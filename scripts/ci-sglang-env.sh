@@ -48,7 +48,10 @@ FAIRSHARE_DEPS=(
 
 # The editable install of this tree writes fairshare.egg-info here, as .venv's does (`make test`
 # runs this script while `make install` may run): one at a time.
-editable() { mkdir -p build && flock build/.editable-install.lock "$@"; }
+editable() {
+  mkdir -p build
+  if command -v flock >/dev/null 2>&1; then flock build/.editable-install.lock "$@"; else "$@"; fi
+}
 
 stamp="$VENV/.fairshare-sglang-stamp"
 project_stamp="$VENV/.fairshare-project-stamp"
